@@ -1,0 +1,356 @@
+"""Readable plain-PyTorch semantics of every ``torch.ops.dsv4`` op.
+
+These functions ARE the contract: the CPU branch of each op calls them, and every
+GPU kernel is tested against them. They favour clarity over speed, compute in
+fp32 whatever the input dtype, and never read a tensor value on the host (no
+``.item()``), so they also trace under ``torch.compile(fullgraph=True)``.
+
+Shape legend (all ops):
+    B  batch rows (requests, padded to a bucket)     S  query / new tokens per row
+    H  attention heads        D  head dim (512)      W  window entries per query
+    R  ring slots             N  entries in a pool   E  blocks that may close per step
+    HI / DI  indexer heads / head dim                r  rope dims (last r channels)
+
+Position-addressed state (DESIGN.md rule 3): token ``p`` of a row lives at ring
+slot ``p % R``; compressed entry ``i`` (block of positions ``[m*i, m*i + m)``)
+lives at pool index ``i``. A row's only mutable scalar is its length. ``-1``
+means "nothing" in every index tensor.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "plan",
+    "cache_write",
+    "compress",
+    "indexer_topk",
+    "sparse_attention",
+    "apply_rope",
+    "rms_norm",
+]
+
+
+# --------------------------------------------------------------------------------------
+# small math helpers shared by the ops and the layer reference
+# --------------------------------------------------------------------------------------
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm in fp32: ``weight * x / sqrt(mean(x^2) + eps)`` (weight optional); returns fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y * weight.float() if weight is not None else y
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Interleaved partial RoPE on the LAST ``r = 2 * cos.shape[-1]`` channels of ``x``.
+
+    Channel pairs ``(x[2i], x[2i+1])`` of the rope slice are rotated like the complex
+    number ``x[2i] + j x[2i+1]`` times ``exp(j * angle_i)``. ``cos``/``sin`` must
+    broadcast against ``x[..., :r/2]`` (one entry per pair, already gathered at the
+    right positions). ``inverse=True`` multiplies by the conjugate. Math in fp32,
+    result in ``x.dtype``.
+    """
+    half = cos.shape[-1]
+    r = 2 * half
+    nope, rope = x[..., :-r], x[..., -r:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    c, s = cos.float(), sin.float()
+    if inverse:
+        s = -s
+    out_even = even * c - odd * s
+    out_odd = odd * c + even * s
+    rotated = torch.stack((out_even, out_odd), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+# --------------------------------------------------------------------------------------
+# plan: step inputs -> every derived metadata tensor
+# --------------------------------------------------------------------------------------
+def _window_write_slots(pos: Tensor, valid: Tensor, end: Tensor, ring: int) -> Tensor:
+    # A new token is written unless a later token of the same step lands on the same
+    # slot (only possible when a step brings more than `ring` tokens): writing it would
+    # make the ring's content depend on the scatter order.
+    keep = valid & (pos >= end[..., None] - ring)
+    return torch.where(keep, pos % ring, torch.full_like(pos, -1))
+
+
+def plan(
+    lengths: Tensor,
+    n_new: Tensor,
+    num_tokens: int,
+    steps: int,
+    window: int,
+    win_ring: int,
+    win_concat: bool,
+    csa_ratio: int,
+    csa_ring: int,
+    hca_ratio: int,
+    hca_ring: int,
+) -> tuple[Tensor, ...]:
+    """Turn per-row lengths into every tensor the layers need, for ``steps`` sub-steps.
+
+    Args:
+        lengths: ``[B] int32`` tokens already in the cache per row (= first new position).
+        n_new: ``[B] int32`` new tokens per row this step, ``0 <= n_new <= num_tokens``
+            (0 = padding row).
+        num_tokens: static ``S``, the padded query width.
+        steps: number of consecutive sub-steps planned. Sub-step ``i`` handles new
+            positions ``[lengths + i*n_new, lengths + (i+1)*n_new)``. Plain prefill /
+            decode / verify use ``steps=1``; the MTP draft loop uses ``steps=k`` with
+            ``n_new=1`` so draft step ``i`` sees the window of draft tokens ``0..i-1``.
+        window: sliding-window size W (entries per query, the query itself included).
+        win_ring: window ring slots R.
+        win_concat: how ``win_idx`` addresses the window. False ("ring" mode): indices
+            are ring slots, the layer writes the new kv into the ring first and attends
+            over the ring (needs ``R >= W + S - 1``). True ("concat" mode, long prefill
+            chunks): the layer attends over ``cat(ring_before_write, new_kv)`` of
+            ``R + S`` rows; positions before ``lengths`` map to ring slots and new
+            positions to ``R + (p - start)``.
+        csa_ratio / hca_ratio: compression rates m (e.g. 4 and 128).
+        csa_ring / hca_ring: compressor-input ring slots for those rates.
+
+    Returns a tuple, every tensor ``int32`` with a leading ``[steps]`` dim:
+        positions  ``[steps, B, S]``   absolute position of each query, -1 for padding
+        win_write  ``[steps, B, S]``   window-ring slot each new kv is written to, -1 = skip
+        win_idx    ``[steps, B, S, W]`` window entries each query attends, -1 = none
+        csa_len    ``[steps, B, S]``   visible compressed entries ``(t+1)//m`` (0 for padding)
+        csa_emit   ``[steps, B, ceil(S/m)]`` blocks completed by the new tokens, -1 pad
+        csa_write  ``[steps, B, S]``   compressor-ring slot of each new token, -1 = skip
+        hca_len, hca_emit, hca_write   the same for the HCA rate
+    """
+    device = lengths.device
+    lengths = lengths.to(torch.int64)
+    n_new = n_new.to(torch.int64)
+    step = torch.arange(steps, device=device)[:, None]  # [steps, 1]
+    start = lengths[None, :] + step * n_new[None, :]  # [steps, B]
+    end = start + n_new[None, :]
+    j = torch.arange(num_tokens, device=device)
+    pos = start[..., None] + j  # [steps, B, S]
+    valid = j < n_new[None, :, None]
+    neg = torch.full_like(pos, -1)
+    positions = torch.where(valid, pos, neg)
+
+    win_write = _window_write_slots(pos, valid, end, win_ring)
+    # window entries of query t: positions t-W+1 .. t (oldest first)
+    wpos = pos[..., None] - window + 1 + torch.arange(window, device=device)  # [steps,B,S,W]
+    if win_concat:
+        fresh = wpos >= start[..., None, None]
+        widx = torch.where(fresh, win_ring + (wpos - start[..., None, None]), wpos % win_ring)
+    else:
+        widx = wpos % win_ring
+    win_idx = torch.where(valid[..., None] & (wpos >= 0), widx, torch.full_like(widx, -1))
+
+    outs = [positions, win_write, win_idx]
+    for ratio, ring in ((csa_ratio, csa_ring), (hca_ratio, hca_ring)):
+        visible = torch.where(valid, (pos + 1) // ratio, torch.zeros_like(pos))
+        n_emit = -(-num_tokens // ratio)
+        first = start // ratio  # first block a new token can close
+        blocks = first[..., None] + torch.arange(n_emit, device=device)
+        emit = torch.where(blocks < (end // ratio)[..., None], blocks, torch.full_like(blocks, -1))
+        write = _window_write_slots(pos, valid, end, ring)
+        outs += [visible, emit, write]
+    return tuple(t.to(torch.int32).contiguous() for t in outs)
+
+
+# --------------------------------------------------------------------------------------
+# cache writes
+# --------------------------------------------------------------------------------------
+def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+    """``cache[b, slots[b, s]] = values[b, s]`` for every ``slots >= 0``; in place.
+
+    cache ``[B, N, C]``, values ``[B, S, C]`` (same dtype), slots ``[B, S] int32``.
+    Serves the window ring, the compressor-input rings and any pool. Slots of one row
+    must be distinct (``plan`` guarantees it).
+    """
+    B, S = slots.shape
+    N = cache.shape[1]
+    keep = slots >= 0
+    # Skipped rows are routed to a scratch row N, then dropped: no data-dependent shapes.
+    tgt = torch.where(keep, slots.long(), torch.full_like(slots, N, dtype=torch.long))
+    padded = torch.cat([cache, cache.new_zeros(B, 1, cache.shape[2])], dim=1)
+    padded.scatter_(1, tgt[..., None].expand(B, S, cache.shape[2]), values.to(cache.dtype))
+    cache.copy_(padded[:, :N])
+
+
+# --------------------------------------------------------------------------------------
+# compressor: pooled entries of every block the new tokens close
+# --------------------------------------------------------------------------------------
+def compress(
+    ring_kv: Tensor,
+    ring_gate: Tensor,
+    new_kv: Tensor,
+    new_gate: Tensor,
+    start: Tensor,
+    emit: Tensor,
+    norm_weight: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    pool: Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> None:
+    """Emit the compressed entry of every block listed in ``emit`` into ``pool``; in place.
+
+    Args:
+        ring_kv, ring_gate: ``[B, R, c*d]`` compressor inputs of earlier tokens, token
+            ``p`` at slot ``p % R`` (``c = 2`` if ``overlap`` else 1). The gate rows
+            already include the position bias ``ape[p % m]``.
+        new_kv, new_gate: ``[B, S, c*d]`` the same rows for this step's new tokens;
+            token ``p >= start`` is read from here (row ``p - start``), never from the ring.
+        start: ``[B] int32`` position of the first new token.
+        emit: ``[B, E] int32`` block ids to emit (``plan``'s ``*_emit``), -1 = none.
+        norm_weight: ``[d]`` RMSNorm weight applied to the pooled entry.
+        cos, sin: ``[P, r/2]`` rope tables; entry ``i`` is rotated at position ``m*i``.
+        pool: ``[B, N, d]`` compressed pool, entry ``i`` written at index ``i``.
+        ratio: m.  overlap: CSA layout (entry i pools the first halves of block i-1's
+            tokens and the second halves of block i's; block -1 contributes weight 0).
+        eps: RMSNorm epsilon.
+
+    Per channel, the entry is ``sum_slots softmax_slots(gate) * kv`` in fp32.
+    """
+    B, E = emit.shape
+    d = pool.shape[-1]
+    m = ratio
+    R = ring_kv.shape[1]
+    S = new_kv.shape[1]
+    dev = emit.device
+    blk = emit.long().clamp(min=0)  # [B, E]; invalid blocks computed then dropped
+    start = start.long()
+
+    def gather_rows(pos: Tensor, ring: Tensor, new: Tensor) -> Tensor:
+        # pos [B, E, L] -> rows [B, E, L, c*d] from `new` (p >= start) or the ring
+        fresh = pos >= start[:, None, None]
+        ridx = (pos % R).clamp(min=0)
+        nidx = (pos - start[:, None, None]).clamp(0, max(S - 1, 0))
+        C = ring.shape[-1]
+        from_ring = torch.gather(ring.float(), 1, ridx.reshape(B, -1, 1).expand(-1, -1, C))
+        if S > 0:
+            from_new = torch.gather(new.float(), 1, nidx.reshape(B, -1, 1).expand(-1, -1, C))
+        else:
+            from_new = from_ring
+        rows = torch.where(fresh.reshape(B, -1, 1), from_new, from_ring)
+        return rows.view(B, E, -1, C)
+
+    own = blk[..., None] * m + torch.arange(m, device=dev)  # [B, E, m]
+    kv_own = gather_rows(own, ring_kv, new_kv)
+    gate_own = gather_rows(own, ring_gate, new_gate)
+    if overlap:
+        prev = own - m
+        kv_prev = gather_rows(prev, ring_kv, new_kv)[..., :d]
+        gate_prev = gather_rows(prev, ring_gate, new_gate)[..., :d]
+        # block -1 does not exist: its slots get weight 0
+        gate_prev = torch.where(prev[..., None] >= 0, gate_prev, torch.full_like(gate_prev, float("-inf")))
+        kv_prev = torch.where(prev[..., None] >= 0, kv_prev, torch.zeros_like(kv_prev))
+        kv = torch.cat([kv_prev, kv_own[..., d:]], dim=2)  # [B, E, 2m, d]
+        gate = torch.cat([gate_prev, gate_own[..., d:]], dim=2)
+    else:
+        kv, gate = kv_own, gate_own
+    pooled = (kv * gate.softmax(dim=2)).sum(dim=2)  # [B, E, d]
+    entry = rms_norm(pooled, norm_weight, eps)
+    bpos = blk * m
+    entry = apply_rope(entry, cos[bpos], sin[bpos])
+
+    N = pool.shape[1]
+    tgt = torch.where(emit >= 0, blk, torch.full_like(blk, N))
+    padded = torch.cat([pool, pool.new_zeros(B, 1, d)], dim=1)
+    padded.scatter_(1, tgt[..., None].expand(B, E, d), entry.to(pool.dtype))
+    pool.copy_(padded[:, :N])
+
+
+# --------------------------------------------------------------------------------------
+# lightning indexer
+# --------------------------------------------------------------------------------------
+def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+    """``score[b,s,i] = sum_h weights[b,s,h] * relu(q[b,s,h] . keys[b,i])`` in fp32 for
+    ``i < visible[b,s]``, ``-inf`` elsewhere. Returns ``[B, S, N]``."""
+    dots = torch.einsum("bshd,bnd->bshn", q.float(), keys.float())
+    scores = (dots.relu() * weights.float()[..., None]).sum(dim=2)
+    idx = torch.arange(keys.shape[1], device=keys.device)
+    return scores.masked_fill(idx >= visible[..., None], float("-inf"))
+
+
+def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
+    """Top-``topk`` visible compressed entries per query, fixed width, -1 sentinels.
+
+    Args:
+        q: ``[B, S, HI, DI]`` indexer queries (roped).
+        weights: ``[B, S, HI]`` per-head weights with every scale folded in.
+        keys: ``[B, N, DI]`` indexer-key pool (entry i at index i).
+        visible: ``[B, S] int32`` entries ``i < visible`` may be picked (causality:
+            ``(t+1)//m``; 0 for padding queries).
+        topk: output width k.
+
+    Returns ``[B, S, topk] int32``: the ``min(topk, visible)`` best entries, ordered by
+    descending score; **ties go to the lower entry index** (a stable sort), so the
+    choice among equal scores (e.g. many exact zeros from the ReLUs) is deterministic.
+    Remaining slots are -1.
+    """
+    B, S = visible.shape
+    N = keys.shape[1]
+    scores = indexer_scores(q, weights, keys, visible)
+    if N == 0:
+        return torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    rank = torch.arange(order.shape[-1], device=q.device)
+    picked = torch.where(rank < visible[..., None], order, torch.full_like(order, -1))
+    if picked.shape[-1] < topk:  # fewer entries in the pool than k
+        pad = picked.new_full((B, S, topk - picked.shape[-1]), -1)
+        picked = torch.cat([picked, pad], dim=-1)
+    return picked.to(torch.int32).contiguous()
+
+
+# --------------------------------------------------------------------------------------
+# sparse attention over window ∪ compressed entries, one softmax with the sink
+# --------------------------------------------------------------------------------------
+def sparse_attention(
+    q: Tensor,
+    kv: Tensor,
+    kv_idx: Tensor,
+    cmp: Tensor,
+    cmp_idx: Tensor,
+    cmp_len: Tensor,
+    sink: Tensor,
+    scale: float,
+) -> Tensor:
+    """MQA with one shared K = V vector per entry, over a per-query entry set, plus sink.
+
+    Args:
+        q: ``[B, S, H, D]`` queries.
+        kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode).
+        kv_idx: ``[B, S, W] int32`` rows of ``kv`` each query attends, -1 = skip.
+        cmp: ``[B, Nc, D]`` compressed pool.
+        cmp_idx: ``[B, S, K] int32`` compressed entries picked by the indexer (CSA),
+            -1 = skip; ``K`` may be 0.
+        cmp_len: ``[B, S] int32`` additionally attend the dense prefix ``cmp[b, :cmp_len]``
+            (HCA; 0 for CSA / sliding layers).
+        sink: ``[H] fp32`` per-head sink logit (an extra logit with a zero value).
+        scale: softmax scale.
+
+    Returns ``[B, S, H, D]`` in ``q.dtype``:
+    ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink_h))`` with ``l_j = scale q.e_j``
+    in ONE softmax over all entries (fp32). A query with no entries gets zeros.
+    """
+    B, S, H, D = q.shape
+    Nc = cmp.shape[1]
+    qf = q.float()
+
+    def gather(src: Tensor, idx: Tensor) -> Tensor:  # [B, N, D] x [B, S, L] -> [B, S, L, D]
+        L = idx.shape[-1]
+        safe = idx.long().clamp(min=0).reshape(B, S * L, 1).expand(-1, -1, D)
+        return torch.gather(src.float(), 1, safe).view(B, S, L, D)
+
+    ent = [gather(kv, kv_idx), gather(cmp, cmp_idx)]
+    ok = [kv_idx >= 0, cmp_idx >= 0]
+    if Nc > 0:
+        ent.append(cmp.float()[:, None].expand(B, S, Nc, D))
+        ok.append(torch.arange(Nc, device=q.device) < cmp_len[..., None])
+    entries = torch.cat(ent, dim=2)  # [B, S, L, D]
+    valid = torch.cat(ok, dim=2)  # [B, S, L]
+    logits = torch.einsum("bshd,bsld->bshl", qf, entries) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    sinks = sink.float().view(1, 1, H, 1).expand(B, S, H, 1)
+    probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("bshl,bsld->bshd", probs, entries)
+    return out.to(q.dtype)
