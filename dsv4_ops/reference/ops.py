@@ -231,7 +231,7 @@ def compress(
         else:
             from_new = from_ring
         rows = torch.where(fresh.reshape(B, -1, 1), from_new, from_ring)
-        return rows.view(B, E, -1, C)
+        return rows.view(B, E, pos.shape[-1], C)  # explicit L: E may be 0
 
     own = blk[..., None] * m + torch.arange(m, device=dev)  # [B, E, m]
     kv_own = gather_rows(own, ring_kv, new_kv)
@@ -338,6 +338,8 @@ def sparse_attention(
 
     def gather(src: Tensor, idx: Tensor) -> Tensor:  # [B, N, D] x [B, S, L] -> [B, S, L, D]
         L = idx.shape[-1]
+        if src.shape[1] == 0:  # empty source: every index is -1, nothing to gather from
+            return src.new_zeros(B, S, L, D, dtype=torch.float32)
         safe = idx.long().clamp(min=0).reshape(B, S * L, 1).expand(-1, -1, D)
         return torch.gather(src.float(), 1, safe).view(B, S, L, D)
 
@@ -348,6 +350,9 @@ def sparse_attention(
         ok.append(torch.arange(Nc, device=q.device) < cmp_len[..., None])
     entries = torch.cat(ent, dim=2)  # [B, S, L, D]
     valid = torch.cat(ok, dim=2)  # [B, S, L]
+    # Skipped entries may hold anything (never-written pool / ring rows, e.g. NaN from an
+    # uninitialised buffer): zero them so a 0-probability slot cannot inject 0 * NaN.
+    entries = entries.masked_fill(~valid[..., None], 0.0)
     logits = torch.einsum("bshd,bsld->bshl", qf, entries) * scale
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     sinks = sink.float().view(1, 1, H, 1).expand(B, S, H, 1)

@@ -1,0 +1,114 @@
+"""Boundary checks for the public op wrappers (DESIGN.md rule 7).
+
+Every message names the op, the argument, what was expected and what was given.
+Metadata checks (dtype, rank, matching dims, device, static ints) are plain Python on
+shapes, so they also run while ``torch.compile`` traces a wrapper. Value checks read
+device data and sync the host, so they run only in eager mode on real tensors
+(:func:`reads_values`); they keep out-of-range indices from ever reaching a kernel.
+All checks raise ``ValueError``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+
+def fail(op: str, msg: str) -> None:
+    raise ValueError(f"{op}: {msg}")
+
+
+def dtype(op: str, name: str, t: Tensor, expected: torch.dtype) -> None:
+    if t.dtype != expected:
+        fail(op, f"{name} must be {expected}, got {t.dtype}")
+
+
+def floating(op: str, name: str, t: Tensor) -> None:
+    if not t.is_floating_point():
+        fail(op, f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def same_dtype(op: str, name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    if t.dtype != ref.dtype:
+        fail(op, f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+
+
+def rank(op: str, name: str, t: Tensor, layout: str) -> None:
+    """``layout`` like ``"[B, S, H, D]"``; its number of entries is the required rank."""
+    want = len(layout.strip("[]").split(","))
+    if t.dim() != want:
+        fail(op, f"{name} must have rank {want} {layout}, got shape {tuple(t.shape)}")
+
+
+def dim(op: str, name: str, t: Tensor, d: int, expected: int, what: str) -> None:
+    """``t.shape[d] == expected``; ``what`` says where ``expected`` comes from, e.g. "B of q"."""
+    if t.shape[d] != expected:
+        fail(op, f"{name}.shape[{d}] must be {expected} ({what}), got {t.shape[d]} (shape {tuple(t.shape)})")
+
+
+def same_device(op: str, **tensors: Tensor) -> None:
+    names = list(tensors)
+    first = tensors[names[0]].device
+    for name in names[1:]:
+        if tensors[name].device != first:
+            fail(op, f"all tensors must be on one device: {names[0]} is on {first}, "
+                     f"{name} is on {tensors[name].device}")
+
+
+def at_least(op: str, name: str, value: int, minimum: int, why: str = "") -> None:
+    if value < minimum:
+        fail(op, f"{name} must be >= {minimum}{' ' + why if why else ''}, got {value}")
+
+
+# ---- value checks: eager only ---------------------------------------------------------
+def reads_values(*tensors: Tensor) -> bool:
+    """True when value checks may read these tensors: eager, real data, not capturing."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t.device.type == "meta" or is_fake(t):
+            return False
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+    return True
+
+
+def _first(mask: Tensor) -> tuple[int, ...]:
+    return tuple(mask.nonzero()[0].tolist())
+
+
+def none_of(op: str, bad: Tensor, message) -> None:
+    """Fail when any element of the bool mask ``bad`` is set; ``message(at)`` gets its index tuple."""
+    if bad.numel() and bool(bad.any()):
+        fail(op, message(_first(bad)))
+
+
+def in_range(op: str, name: str, t: Tensor, lo: int, hi: int, limit: str) -> None:
+    """Every value of ``t`` in ``[lo, hi]``; ``limit`` names the bound, e.g. "cache rows N=16"."""
+    if t.numel() == 0:
+        return
+    too_big = t > hi
+    if bool(too_big.any()):
+        at = _first(too_big)
+        fail(op, f"{name}[{', '.join(map(str, at))}] = {int(t[at])} is beyond {limit}")
+    too_small = t < lo
+    if bool(too_small.any()):
+        at = _first(too_small)
+        fail(op, f"{name}[{', '.join(map(str, at))}] = {int(t[at])} is below the minimum {lo}")
+
+
+def index_range(op: str, name: str, idx: Tensor, n: int, what: str) -> None:
+    """Indices into ``n`` rows: ``-1`` (none) or ``0 .. n-1``."""
+    valid = f"-1 or 0..{n - 1}" if n > 0 else "only -1"
+    in_range(op, name, idx, -1, n - 1, f"{what} N={n} (valid: {valid})")
+
+
+def distinct_per_row(op: str, name: str, idx: Tensor) -> None:
+    """Non-negative entries of each row of a ``[B, S]`` index tensor are distinct."""
+    if idx.numel() == 0:
+        return
+    s = idx.sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    if bool(dup.any()):
+        b, j = _first(dup)
+        fail(op, f"{name}[{b}] holds index {int(s[b, j])} twice; the indices of one row must be distinct")

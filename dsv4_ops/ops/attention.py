@@ -1,0 +1,81 @@
+"""``dsv4::sparse_attention``: MQA over window ∪ compressed entries with a per-head sink."""
+import torch
+from torch import Tensor
+
+from ..reference import ops as ref
+from . import _validate as v
+
+
+@torch.library.custom_op("dsv4::sparse_attention", mutates_args=())
+def _sparse_attention(
+    q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
+) -> Tensor:
+    # Default implementation for every device: the reference (plain aten).
+    return ref.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale).contiguous()
+
+
+@_sparse_attention.register_fake
+def _sparse_attention_fake(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
+    torch._check(q.dim() == 4 and kv.dim() == 3 and cmp.dim() == 3,
+                 lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D]")
+    torch._check(kv_idx.dim() == 3 and cmp_idx.dim() == 3 and cmp_len.dim() == 2 and sink.dim() == 1,
+                 lambda: "sparse_attention: kv_idx [B, S, W], cmp_idx [B, S, K], cmp_len [B, S], sink [H]")
+    torch._check(kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
+    torch._check(cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
+    torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
+    return q.new_empty(q.shape)
+
+
+def sparse_attention(
+    q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
+) -> Tensor:
+    """Attention of each query over its window rows and compressed entries, one softmax with a sink.
+
+    One shared vector per entry serves as key and value (MQA). Entries of query ``(b, s)``:
+    ``kv[b, kv_idx[b, s, :]]``, ``cmp[b, cmp_idx[b, s, :]]`` (skipping ``-1``) and the dense
+    prefix ``cmp[b, :cmp_len[b, s]]``. With ``l_j = scale * q[b, s, h] . e_j``:
+    ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink[h]))``, math in fp32. A query with no
+    entries gets zeros.
+
+    Args:
+        q: ``[B, S, H, D]`` float queries.
+        kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode),
+            same dtype as ``q``.
+        kv_idx: ``[B, S, W] int32`` rows of ``kv``, ``-1`` or ``0 .. N-1``.
+        cmp: ``[B, Nc, D]`` compressed pool, same dtype as ``q``; ``Nc`` may be 0.
+        cmp_idx: ``[B, S, K] int32`` picked entries (CSA), ``-1`` or ``0 .. Nc-1``; ``K`` may be 0.
+        cmp_len: ``[B, S] int32`` dense-prefix length in ``0 .. Nc`` (HCA; 0 otherwise).
+        sink: ``[H] float32`` per-head sink logit (a zero value vector).
+        scale: softmax scale.
+
+    Returns ``[B, S, H, D]`` in ``q.dtype``, contiguous.
+    """
+    op = "sparse_attention"
+    v.rank(op, "q", q, "[B, S, H, D]")
+    v.rank(op, "kv", kv, "[B, N, D]")
+    v.rank(op, "kv_idx", kv_idx, "[B, S, W]")
+    v.rank(op, "cmp", cmp, "[B, Nc, D]")
+    v.rank(op, "cmp_idx", cmp_idx, "[B, S, K]")
+    v.rank(op, "cmp_len", cmp_len, "[B, S]")
+    v.rank(op, "sink", sink, "[H]")
+    v.floating(op, "q", q)
+    v.same_dtype(op, "kv", kv, "q", q)
+    v.same_dtype(op, "cmp", cmp, "q", q)
+    v.dtype(op, "kv_idx", kv_idx, torch.int32)
+    v.dtype(op, "cmp_idx", cmp_idx, torch.int32)
+    v.dtype(op, "cmp_len", cmp_len, torch.int32)
+    v.dtype(op, "sink", sink, torch.float32)
+    B, S, H, D = q.shape
+    for name, t in (("kv", kv), ("cmp", cmp)):
+        v.dim(op, name, t, 0, B, "B of q")
+        v.dim(op, name, t, 2, D, "D of q")
+    for name, t in (("kv_idx", kv_idx), ("cmp_idx", cmp_idx), ("cmp_len", cmp_len)):
+        v.dim(op, name, t, 0, B, "B of q")
+        v.dim(op, name, t, 1, S, "S of q")
+    v.dim(op, "sink", sink, 0, H, "H of q")
+    v.same_device(op, q=q, kv=kv, kv_idx=kv_idx, cmp=cmp, cmp_idx=cmp_idx, cmp_len=cmp_len, sink=sink)
+    if v.reads_values(kv_idx, cmp_idx, cmp_len):
+        v.index_range(op, "kv_idx", kv_idx, kv.shape[1], "kv rows")
+        v.index_range(op, "cmp_idx", cmp_idx, cmp.shape[1], "cmp entries")
+        v.in_range(op, "cmp_len", cmp_len, 0, cmp.shape[1], f"cmp entries Nc={cmp.shape[1]}")
+    return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)

@@ -1,0 +1,54 @@
+"""``dsv4::cache_write``: scatter new rows into a ring or pool by slot (mutating)."""
+import torch
+from torch import Tensor
+
+from ..reference import ops as ref
+from . import _validate as v
+
+
+@torch.library.custom_op("dsv4::cache_write", mutates_args=("cache",))
+def _cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+    # Default implementation for every device: the reference (plain aten).
+    ref.cache_write(cache, values, slots)
+
+
+@_cache_write.register_fake
+def _cache_write_fake(cache, values, slots):
+    torch._check(cache.dim() == 3 and values.dim() == 3 and slots.dim() == 2,
+                 lambda: "cache_write: cache [B, N, C], values [B, S, C], slots [B, S]")
+    torch._check(values.shape[0] == cache.shape[0] and slots.shape[0] == cache.shape[0],
+                 lambda: "cache_write: B of values/slots must match cache")
+    torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
+    torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
+    return None
+
+
+def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+    """``cache[b, slots[b, s]] = values[b, s]`` for every ``slots[b, s] >= 0``; in place.
+
+    Args:
+        cache: ``[B, N, C]`` ring or pool (any float dtype; may be a view, e.g. one layer of a
+            stacked buffer). Rows not addressed keep their content.
+        values: ``[B, S, C]`` new rows, same dtype as ``cache``.
+        slots: ``[B, S] int32`` target row per new row: ``0 .. N-1``, or ``-1`` = skip.
+            The non-negative slots of one row must be distinct (``plan``'s ``*_write`` are).
+
+    Serves the window ring (``plan.win_write``), the compressor-input rings
+    (``plan.csa_write`` / ``plan.hca_write``) and any pool. Returns ``None``.
+    """
+    op = "cache_write"
+    v.rank(op, "cache", cache, "[B, N, C]")
+    v.rank(op, "values", values, "[B, S, C]")
+    v.rank(op, "slots", slots, "[B, S]")
+    v.dtype(op, "slots", slots, torch.int32)
+    v.same_dtype(op, "values", values, "cache", cache)
+    B = cache.shape[0]
+    v.dim(op, "values", values, 0, B, "B of cache")
+    v.dim(op, "values", values, 2, cache.shape[2], "C of cache")
+    v.dim(op, "slots", slots, 0, B, "B of cache")
+    v.dim(op, "slots", slots, 1, values.shape[1], "S of values")
+    v.same_device(op, cache=cache, values=values, slots=slots)
+    if v.reads_values(slots):
+        v.index_range(op, "slots", slots, cache.shape[1], "cache rows")
+        v.distinct_per_row(op, "slots", slots)
+    torch.ops.dsv4.cache_write(cache, values, slots)

@@ -1,0 +1,117 @@
+"""``dsv4::compress``: pooled, normed, roped entry of every block a step completes (mutating)."""
+import torch
+from torch import Tensor
+
+from ..reference import ops as ref
+from . import _validate as v
+
+
+@torch.library.custom_op("dsv4::compress", mutates_args=("pool",))
+def _compress(
+    ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
+    norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
+) -> None:
+    # Default implementation for every device: the reference (plain aten).
+    ref.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps)
+
+
+@_compress.register_fake
+def _compress_fake(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap,
+                   eps):
+    torch._check(pool.dim() == 3 and ring_kv.dim() == 3 and new_kv.dim() == 3 and emit.dim() == 2,
+                 lambda: "compress: ring/new/pool must be 3-d and emit [B, E]")
+    d = pool.shape[-1]
+    c = 2 if overlap else 1
+    torch._check(ring_kv.shape[-1] == c * d, lambda: f"compress: ring_kv last dim must be {c}*d")
+    torch._check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
+    torch._check(2 * cos.shape[-1] <= d, lambda: "compress: rope dims 2*cos.shape[-1] exceed d")
+    torch._check(ratio > 0, lambda: "compress: ratio must be > 0")
+    return None
+
+
+def compress(
+    ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
+    norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
+) -> None:
+    """Write the compressed entry of every block in ``emit`` into ``pool``; in place.
+
+    Entry ``i`` pools block ``[m*i, m*i + m)`` (``m = ratio``): per channel
+    ``sum_slots softmax_slots(gate) * kv`` in fp32, then RMSNorm(``norm_weight``, ``eps``),
+    then interleaved RoPE on the last ``r = 2 * cos.shape[-1]`` channels at position ``m*i``;
+    stored at ``pool[b, i]``. With ``overlap`` (CSA) the slots are the first ``d`` channels of
+    block ``i-1``'s tokens (weight 0 for ``i = 0``) and the last ``d`` of block ``i``'s.
+
+    Args:
+        ring_kv, ring_gate: ``[B, R, c*d]`` compressor inputs of earlier tokens, position ``p``
+            at slot ``p % R`` (``c = 2`` if ``overlap`` else 1, ``d = pool.shape[-1]``);
+            gate rows include the position bias. ``R >= c*m``.
+        new_kv, new_gate: ``[B, S, c*d]`` this step's rows; position ``p >= start`` is read
+            from row ``p - start`` here, never from the ring. Same dtypes as the rings.
+        start: ``[B] int32`` position of each row's first new token.
+        emit: ``[B, E] int32`` blocks to emit (``plan``'s ``*_emit``), ``-1`` = none. A block
+            must end inside the new rows (``m*(i+1) <= start + S``) and its earliest position
+            must still be in the ring (``>= start - R``).
+        norm_weight: ``[d]`` RMSNorm weight.  cos, sin: ``[P, r/2]`` rope tables, ``r <= d``,
+            ``P > m*i`` for every emitted ``i``.
+        pool: ``[B, N, d]`` float pool; only the emitted indices (``< N``) are written.
+        ratio: ``m >= 1``.  overlap: CSA layout.  eps: RMSNorm epsilon.
+
+    Call it before writing this step's rows into the ring (``cache_write`` with
+    ``plan.*_write``): the ring then still holds the open block's earlier tokens.
+    """
+    op = "compress"
+    for name, t, layout in (("ring_kv", ring_kv, "[B, R, c*d]"), ("ring_gate", ring_gate, "[B, R, c*d]"),
+                            ("new_kv", new_kv, "[B, S, c*d]"), ("new_gate", new_gate, "[B, S, c*d]"),
+                            ("pool", pool, "[B, N, d]")):
+        v.rank(op, name, t, layout)
+        v.floating(op, name, t)
+    v.rank(op, "start", start, "[B]")
+    v.rank(op, "emit", emit, "[B, E]")
+    v.rank(op, "norm_weight", norm_weight, "[d]")
+    v.rank(op, "cos", cos, "[P, r/2]")
+    v.rank(op, "sin", sin, "[P, r/2]")
+    v.dtype(op, "start", start, torch.int32)
+    v.dtype(op, "emit", emit, torch.int32)
+    v.same_dtype(op, "new_kv", new_kv, "ring_kv", ring_kv)
+    v.same_dtype(op, "new_gate", new_gate, "ring_gate", ring_gate)
+    for name, t in (("norm_weight", norm_weight), ("cos", cos), ("sin", sin)):
+        v.floating(op, name, t)
+    v.at_least(op, "ratio", ratio, 1)
+    B, N, d = pool.shape
+    c = 2 if overlap else 1
+    cd = f"(2 if overlap else 1) * d = {c} * {d}"
+    for name, t in (("ring_kv", ring_kv), ("ring_gate", ring_gate), ("new_kv", new_kv), ("new_gate", new_gate)):
+        v.dim(op, name, t, 0, B, "B of pool")
+        v.dim(op, name, t, 2, c * d, cd)
+    v.dim(op, "ring_gate", ring_gate, 1, ring_kv.shape[1], "R of ring_kv")
+    v.dim(op, "new_gate", new_gate, 1, new_kv.shape[1], "S of new_kv")
+    v.dim(op, "start", start, 0, B, "B of pool")
+    v.dim(op, "emit", emit, 0, B, "B of pool")
+    v.dim(op, "norm_weight", norm_weight, 0, d, "d of pool")
+    v.dim(op, "sin", sin, 0, cos.shape[0], "P of cos")
+    v.dim(op, "sin", sin, 1, cos.shape[1], "r/2 of cos")
+    if 2 * cos.shape[1] > d:
+        v.fail(op, f"rope dims 2 * cos.shape[-1] = {2 * cos.shape[1]} exceed d = {d} (pool.shape[-1])")
+    if emit.shape[1] > 0:
+        v.at_least(op, "cos.shape[0]", cos.shape[0], 1, "(rope table rows)")
+    R, S = ring_kv.shape[1], new_kv.shape[1]
+    v.at_least(op, "ring_kv.shape[1]", R, c * ratio, f"(ring slots R >= {c} * ratio = {c * ratio})")
+    v.same_device(op, ring_kv=ring_kv, ring_gate=ring_gate, new_kv=new_kv, new_gate=new_gate, start=start,
+                  emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool)
+    if v.reads_values(start, emit):
+        v.index_range(op, "emit", emit, N, "pool entries")
+        v.in_range(op, "start", start, 0, 2**31 - 1, "int32")
+        blk, st = emit.long(), start.long()[:, None]
+        on = blk >= 0
+        v.none_of(op, on & ((blk + 1) * ratio > st + S), lambda at: (
+            f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} ends at position {(int(blk[at]) + 1) * ratio - 1}, "
+            f"past the new rows (start[{at[0]}] = {int(st[at[0], 0])}, S = {S}): the block is not complete"))
+        oldest = (blk - (1 if overlap else 0)).clamp(min=0) * ratio
+        v.none_of(op, on & (oldest < st - R), lambda at: (
+            f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} needs position {int(oldest[at])}, older than the "
+            f"ring of R={R} slots holds (start[{at[0]}] = {int(st[at[0], 0])})"))
+        v.none_of(op, on & (blk * ratio >= cos.shape[0]), lambda at: (
+            f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} is rotated at position {int(blk[at]) * ratio}, "
+            f"beyond the rope table rows P={cos.shape[0]} (cos.shape[0])"))
+    torch.ops.dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
+                            overlap, eps)

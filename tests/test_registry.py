@@ -1,0 +1,50 @@
+"""Every torch.ops.dsv4 op has the per-op test template, and its schema is pinned.
+
+A new op must come with tests/ops/test_<op>.py defining the five template tests, and its schema
+line here (regenerate with EXPECTTEST_ACCEPT=1 after a deliberate change; pinned on torch 2.13).
+"""
+import ast
+from pathlib import Path
+
+import expecttest
+import torch
+
+import dsv4_ops  # noqa: F401  (registers the ops)
+
+OPS_TESTS = Path(__file__).parent / "ops"
+TEMPLATE = ("opcheck", "fake_matches_real", "matches_reference", "edge_cases", "rejects_bad_input")
+PUBLIC = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention"}
+
+
+def dsv4_op_names() -> list[str]:
+    return sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith("dsv4::")})
+
+
+def test_public_ops_are_registered():
+    assert PUBLIC <= set(dsv4_op_names())
+    for name in PUBLIC:
+        assert callable(getattr(dsv4_ops, name)) and getattr(dsv4_ops.ops, name) is getattr(dsv4_ops, name)
+
+
+def test_every_op_has_the_test_template():
+    for name in dsv4_op_names():
+        path = OPS_TESTS / f"test_{name}.py"
+        assert path.exists(), f"torch.ops.dsv4.{name} has no tests/ops/{path.name}"
+        defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        missing = [f"test_{name}_{t}" for t in TEMPLATE if f"test_{name}_{t}" not in defined]
+        assert not missing, f"{path.name} lacks {missing}"
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_every_schema_is_pinned(self):
+        pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention"}
+        self.assertEqual(set(dsv4_op_names()), pinned, "pin the schema of every new op below")
+
+    def test_schemas(self):
+        ops = torch.ops.dsv4
+        self.assertExpectedInline(str(ops.plan.default._schema), """dsv4::plan(Tensor lengths, Tensor n_new, SymInt num_tokens, SymInt steps, SymInt window, SymInt win_ring, bool win_concat, SymInt csa_ratio, SymInt csa_ring, SymInt hca_ratio, SymInt hca_ring) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)""")
+        self.assertExpectedInline(str(ops.cache_write.default._schema), """dsv4::cache_write(Tensor(a0!) cache, Tensor values, Tensor slots) -> ()""")
+        self.assertExpectedInline(str(ops.compress.default._schema), """dsv4::compress(Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, Tensor start, Tensor emit, Tensor norm_weight, Tensor cos, Tensor sin, Tensor(a9!) pool, SymInt ratio, bool overlap, float eps) -> ()""")
+        self.assertExpectedInline(str(ops.indexer_topk.default._schema), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor visible, SymInt topk) -> Tensor""")
+        self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
