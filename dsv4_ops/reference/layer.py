@@ -88,8 +88,10 @@ def plan_step(
     num_tokens: int,
     rings: RingSizes,
     concat: bool | None = None,
+    kernels=ops,
 ) -> StepPlan:
-    """Plan one step for every layer. ``concat=None``: concat mode iff ``num_tokens > 1``."""
+    """Plan one step for every layer. ``concat=None``: concat mode iff ``num_tokens > 1``.
+    ``kernels``: where ``plan`` comes from (``reference.ops`` or the registered ``dsv4_ops.ops``)."""
     if concat is None:
         concat = num_tokens > 1
     if not concat and rings.window < cfg.sliding_window + num_tokens - 1:
@@ -97,7 +99,7 @@ def plan_step(
             f"ring mode with {num_tokens} tokens needs a window ring of >= "
             f"{cfg.sliding_window + num_tokens - 1} slots, have {rings.window}"
         )
-    out = ops.plan(
+    out = kernels.plan(
         lengths, n_new, num_tokens, 1, cfg.sliding_window, rings.window, concat,
         cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca,
     )  # fmt: skip
@@ -161,15 +163,15 @@ class Compressor(nn.Module):
         gate = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
         return kv, gate
 
-    def step(self, x, positions, start, emit, write, kv_ring, gate_ring, pool, cos, sin) -> None:
+    def step(self, x, positions, start, emit, write, kv_ring, gate_ring, pool, cos, sin, kernels=ops) -> None:
         """Emit every block in ``emit`` into ``pool``, then store the new rows in the rings."""
         kv, gate = self.rows(x, positions)
-        ops.compress(
+        kernels.compress(
             kv_ring, gate_ring, kv, gate, start, emit, self.kv_norm.weight, cos, sin,
             pool, self.ratio, self.overlap, self.eps,
         )  # fmt: skip
-        ops.cache_write(kv_ring, kv, write)
-        ops.cache_write(gate_ring, gate, write)
+        kernels.cache_write(kv_ring, kv, write)
+        kernels.cache_write(gate_ring, gate, write)
 
     def dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """All complete blocks of a prompt starting at position 0 (§11 ``compress``) -> [B, n, dim]."""
@@ -232,6 +234,11 @@ class MainCompressor(Compressor):
 # --------------------------------------------------------------------------------------
 class ReferenceAttention(nn.Module):
     """One DeepSeek-V4 attention layer (input: the normed, mHC-collapsed hidden state)."""
+
+    # The five stateful kernels (plan, cache_write, compress, indexer_topk, sparse_attention)
+    # come from here: the plain references by default; the model's subclass swaps in the
+    # registered torch.ops.dsv4 ops, whose signatures are identical.
+    kernels = ops
 
     def __init__(
         self,
@@ -377,7 +384,7 @@ class ReferenceAttention(nn.Module):
 
     def plan(self, lengths: Tensor, n_new: Tensor, num_tokens: int, state: AttentionState) -> StepPlan:
         """Metadata for one step of this layer alone (a model plans once for all layers)."""
-        return plan_step(self.cfg, lengths, n_new, num_tokens, self.rings(state))
+        return plan_step(self.cfg, lengths, n_new, num_tokens, self.rings(state), kernels=self.kernels)
 
     def step(
         self,
@@ -406,21 +413,22 @@ class ReferenceAttention(nn.Module):
             emit, write, visible = (
                 (meta.csa_emit, meta.csa_write, meta.csa_len) if csa else (meta.hca_emit, meta.hca_write, meta.hca_len)
             )
-            c.step(x, pos, meta.start, emit, write, state.kv_ring, state.gate_ring, state.pool, self.cos, self.sin)
+            k = self.kernels
+            c.step(x, pos, meta.start, emit, write, state.kv_ring, state.gate_ring, state.pool, self.cos, self.sin, k)
             cmp = state.pool
             if csa:
                 idx = c.indexer
                 idx.step(x, pos, meta.start, emit, write, state.idx_kv_ring, state.idx_gate_ring,
-                         state.idx_pool, self.cos, self.sin)  # fmt: skip
+                         state.idx_pool, self.cos, self.sin, k)  # fmt: skip
                 qI, w = idx.queries(x, qr, cos, sin)
-                cmp_idx = ops.indexer_topk(qI, w, state.idx_pool, visible, idx.topk)
+                cmp_idx = k.indexer_topk(qI, w, state.idx_pool, visible, idx.topk)
             else:
                 cmp_len = visible
 
         kv = kv.to(state.window.dtype)
         src = torch.cat([state.window, kv], dim=1) if meta.win_concat else state.window
-        ops.cache_write(state.window, kv, meta.win_write)  # concat mode: src was copied before
-        o = ops.sparse_attention(q, src, meta.win_idx, cmp, cmp_idx, cmp_len, self.sinks, self.scale)
+        self.kernels.cache_write(state.window, kv, meta.win_write)  # concat mode: src was copied before
+        o = self.kernels.sparse_attention(q, src, meta.win_idx, cmp, cmp_idx, cmp_len, self.sinks, self.scale)
         return self._out(o, cos, sin)
 
     def prefill(

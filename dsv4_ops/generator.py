@@ -1,0 +1,236 @@
+"""Generator: ragged-batch prefill, decode and greedy generate over a static KV pool.
+
+The step functions are plain tensor programs (one ``plan`` per step, every layer reads it)
+with no host syncs, no data-dependent shapes and all state in static buffers, so
+``compile=True`` wraps them in ``torch.compile(fullgraph=True)`` and, on CUDA, in CUDA
+graphs (Inductor's cudagraph trees, ``mode="reduce-overhead"``). Shapes are frozen per
+batch bucket: prefill runs chunks of ``prefill_chunk`` tokens, decode one token per row, so
+new prompts of any length (within the bucket) reuse the compiled graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .cache import StaticCache
+from .ops._validate import trusted_inputs
+
+__all__ = ["Generator"]
+
+
+def _buckets(max_batch_size: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return out + [max_batch_size]
+
+
+class Generator:
+    """Greedy generation for a ``DeepseekV4ForCausalLM`` on the dsv4 ops.
+
+    Args:
+        model: a ``dsv4_ops.DeepseekV4ForCausalLM``.
+        max_batch_size: most prompts per ``prefill`` call.
+        max_seq_len: most tokens (prompt + generated) per request.
+        spec_steps: MTP draft tokens per step (0 = plain decode).
+        compile: wrap the prefill and decode steps in ``torch.compile(fullgraph=True)``.
+        cuda_graphs: replay the compiled steps as CUDA graphs (None = on for CUDA models).
+        prefill_chunk: tokens per prefill step (long prompts run in several steps).
+
+    >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
+    >>> [len(t) for t in gen.generate([[1, 2, 3], [4]], max_new_tokens=5)]
+    [5, 5]
+    """
+
+    def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
+                 compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64) -> None:
+        if spec_steps != 0:
+            raise ValueError(f"spec_steps={spec_steps}: MTP speculative decoding is not available yet (use 0)")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model.eval()
+        self.config = model.config
+        self.device = model.device
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.prefill_chunk = prefill_chunk
+        if max_seq_len > model.max_positions:
+            model.set_max_positions(max_seq_len)
+        self.cache = StaticCache(model, max_batch_size, max_seq_len, lookahead=spec_steps)
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not compile:
+            raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
+        self.compiled = compile
+        self.buckets = _buckets(max_batch_size)
+        # device-side state: a row's only mutable scalar is its length
+        self.lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
+        torch._dynamo.mark_static_address(self.lengths)
+        self._host_lengths: list[int] = []  # mirror for boundary checks (no device sync)
+        self._bucket = 0
+        self._views = {b: _BucketView(self.cache, b) for b in self.buckets}
+        self._steps: dict[tuple[str, int], object] = {}
+        self._graphs: dict[tuple[str, int], int] = {}  # graphs compiled per step function
+        self._stats = dict(prefill_steps=0, decode_steps=0, compile_time_s=0.0, recompiles=0, graph_breaks=0,
+                           cuda_graph_replays=0, tokens_generated=0, decode_tokens=0, decode_time_s=0.0,
+                           accepted_tokens=0)
+
+    # ------------------------------------------------------------------ step functions
+    def _prefill_step(self, ids: Tensor, n_new: Tensor) -> Tensor:
+        # ids: [Bk, C] (row b's first n_new[b] are real), n_new: [Bk] -> logits at each row's
+        # last new token [Bk, vocab]; rows with n_new == 0 return garbage (masked by caller)
+        Bk = ids.shape[0]
+        lengths = self.lengths[:Bk]
+        streams = self.model.hidden_streams(ids, self._views[Bk], lengths, n_new)  # [Bk, C, N, D]
+        last = (n_new.long() - 1).clamp(min=0)
+        picked = streams[torch.arange(Bk, device=ids.device), last]  # [Bk, N, D]
+        lengths.add_(n_new)
+        return self.model.logits(picked[:, None])[:, 0]
+
+    def _decode_step(self, ids: Tensor, n_new: Tensor) -> Tensor:
+        # ids: [Bk] one token per row at position lengths[b] -> logits [Bk, vocab]
+        Bk = ids.shape[0]
+        lengths = self.lengths[:Bk]
+        logits = self.model.step(ids[:, None], self._views[Bk], lengths, n_new)
+        lengths.add_(n_new)
+        return logits[:, 0]
+
+    def _step_fn(self, kind: str, bucket: int):
+        key = (kind, bucket)
+        if key not in self._steps:
+            fn = self._prefill_step if kind == "prefill" else self._decode_step
+            if self.compiled:
+                mode = "reduce-overhead" if self.cuda_graphs else None
+                fn = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+            self._steps[key] = fn
+        return self._steps[key]
+
+    def _run(self, kind: str, ids: Tensor, n_new: Tensor) -> Tensor:
+        fn = self._step_fn(kind, ids.shape[0])
+        counters = torch._dynamo.utils.counters
+        graphs_before = counters["stats"]["unique_graphs"]
+        breaks_before = sum(counters["graph_break"].values())
+        t0 = time.perf_counter()
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad(), trusted_inputs():
+            out = fn(ids, n_new)
+        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+        self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
+        if self.compiled and new_graphs:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self._stats["compile_time_s"] += time.perf_counter() - t0
+            key = (kind, ids.shape[0])
+            self._graphs[key] = self._graphs.get(key, 0) + new_graphs
+            self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
+        elif self.cuda_graphs:
+            self._stats["cuda_graph_replays"] += 1
+        return out.clone() if self.cuda_graphs else out
+
+    # ------------------------------------------------------------------ public API
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Start a new batch: ``prompts`` (ragged token-id lists) -> ``[B, vocab]`` fp32
+        logits at each prompt's last position. Long prompts run in chunks."""
+        B = len(prompts)
+        if B == 0:
+            raise ValueError("prefill: prompts is empty; pass at least one prompt")
+        if B > self.max_batch_size:
+            raise ValueError(f"prefill: {B} prompts > max_batch_size {self.max_batch_size}")
+        lens = []
+        for i, p in enumerate(prompts):
+            p = list(p)
+            if len(p) == 0:
+                raise ValueError(f"prefill: prompts[{i}] is empty; every prompt needs >= 1 token")
+            if len(p) > self.max_seq_len:
+                raise ValueError(f"prefill: prompts[{i}] has {len(p)} tokens > max_seq_len {self.max_seq_len}")
+            bad = [t for t in p if not (0 <= int(t) < self.config.vocab_size)]
+            if bad:
+                raise ValueError(f"prefill: prompts[{i}] has token id {bad[0]} outside [0, vocab_size={self.config.vocab_size})")
+            lens.append(len(p))
+        bucket = next(b for b in self.buckets if b >= B)
+        C = self.prefill_chunk
+        n_chunks = -(-max(lens) // C)
+        ids = torch.zeros(bucket, n_chunks * C, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        ids = ids.to(self.device)
+        lens_t = torch.zeros(bucket, dtype=torch.int32)
+        lens_t[:B] = torch.tensor(lens, dtype=torch.int32)
+        lens_t = lens_t.to(self.device)
+
+        self.lengths.zero_()  # a new batch: position-addressed state needs no other reset
+        self._bucket, self._host_lengths = bucket, lens
+        logits = None
+        for j in range(n_chunks):
+            n_new = (lens_t - j * C).clamp(0, C).to(torch.int32)
+            out = self._run("prefill", ids[:, j * C : (j + 1) * C], n_new)
+            logits = out if logits is None else torch.where((n_new > 0)[:, None], out, logits)
+            self._stats["prefill_steps"] += 1
+        return logits[:B]
+
+    def decode(self, next_ids: Tensor) -> Tensor:
+        """One token per request (``next_ids [B]``, B = the prefilled batch) -> ``[B, vocab]``."""
+        B = len(self._host_lengths)
+        if B == 0:
+            raise ValueError("decode: call prefill first")
+        next_ids = torch.as_tensor(next_ids)
+        if next_ids.shape != (B,):
+            raise ValueError(f"decode: next_ids must have shape [{B}] (the prefilled batch), got {tuple(next_ids.shape)}")
+        if next_ids.device.type == "cpu" and bool(((next_ids < 0) | (next_ids >= self.config.vocab_size)).any()):
+            raise ValueError(f"decode: next_ids has a token id outside [0, vocab_size={self.config.vocab_size})")
+        if max(self._host_lengths) + 1 > self.max_seq_len:
+            raise ValueError(f"decode: a request would exceed max_seq_len {self.max_seq_len}")
+        return self._decode(next_ids.to(self.device, torch.long))[:B]
+
+    def _decode(self, next_ids: Tensor) -> Tensor:
+        B, bucket = len(self._host_lengths), self._bucket
+        ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        ids[:B] = next_ids[:B]
+        n_new = (torch.arange(bucket, device=self.device) < B).to(torch.int32)
+        out = self._run("decode", ids, n_new)
+        self._host_lengths = [n + 1 for n in self._host_lengths]
+        self._stats["decode_steps"] += 1
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32) -> list[list[int]]:
+        """Greedy decoding: the ``max_new_tokens`` new tokens of every prompt."""
+        if max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens - 1 > self.max_seq_len:
+            raise ValueError(f"generate: longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 "
+                             f"> max_seq_len {self.max_seq_len}")
+        logits = self.prefill(prompts)
+        B = len(prompts)
+        tokens = [logits.argmax(-1)]
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            tokens.append(self._decode(tokens[-1])[:B].argmax(-1))
+        out = torch.stack(tokens, dim=1).tolist()  # the one host sync of the whole loop
+        self._stats["decode_time_s"] += time.perf_counter() - t0
+        self._stats["decode_tokens"] += B * (max_new_tokens - 1)
+        self._stats["tokens_generated"] += B * max_new_tokens
+        return out
+
+    @property
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s["decode_tokens_per_s"] = s["decode_tokens"] / s["decode_time_s"] if s["decode_time_s"] else 0.0
+        return s
+
+
+class _BucketView:
+    """The first ``bucket`` rows of every cache buffer (views: writes land in the pool)."""
+
+    def __init__(self, cache: StaticCache, bucket: int) -> None:
+        self.rings = cache.rings
+        self.states = []
+        for st in cache.states:
+            rows = {f.name: getattr(st, f.name)[:bucket] for f in dataclasses.fields(st) if getattr(st, f.name) is not None}
+            for t in rows.values():
+                torch._dynamo.mark_static_address(t)
+            self.states.append(dataclasses.replace(st, **rows))
