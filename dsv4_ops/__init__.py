@@ -2,11 +2,32 @@
 
 Importing registers every ``torch.ops.dsv4`` op. Public API: DESIGN.md §2.
 """
-from . import ops  # registers every torch.ops.dsv4 op
+import importlib.util as _ilu
+import sys as _sys
+from pathlib import Path as _Path
+
+
+def _expose_checkout_lowering() -> None:
+    """In a source checkout that is not pip-installed, make ``../lowering`` importable as
+    ``dsv4_ops.lowering`` (what setup.py's ``package_dir`` does on install)."""
+    if _ilu.find_spec(__name__ + ".lowering") is not None:
+        return
+    root = _Path(__file__).resolve().parent.parent / "lowering"
+    spec = _ilu.spec_from_file_location(__name__ + ".lowering", root / "__init__.py",
+                                        submodule_search_locations=[str(root)])
+    module = _ilu.module_from_spec(spec)
+    _sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    globals()["lowering"] = module
+
+
+_expose_checkout_lowering()
+
+from . import ops  # noqa: E402  (registers every torch.ops.dsv4 op)
 from .config import DSV4Config
 from .generator import Generator
-from .hf import from_hf
+from .hf import from_hf, load_pretrained
 from .model.model import DeepseekV4ForCausalLM
 from .ops import Plan, cache_write, compress, indexer_topk, plan, sparse_attention  # noqa: F401
 
-__all__ = ["DSV4Config", "DeepseekV4ForCausalLM", "Generator", "from_hf", "ops"]
+__all__ = ["DSV4Config", "DeepseekV4ForCausalLM", "Generator", "from_hf", "load_pretrained", "ops"]

@@ -39,7 +39,7 @@ class Generator:
         max_seq_len: most tokens (prompt + generated) per request.
         spec_steps: MTP draft tokens per step (0 = plain decode).
         compile: wrap the prefill and decode steps in ``torch.compile(fullgraph=True)``.
-        cuda_graphs: replay the compiled steps as CUDA graphs (None = on for CUDA models).
+        cuda_graphs: replay the compiled steps as CUDA graphs (None = on when compiling a CUDA model).
         prefill_chunk: tokens per prefill step (long prompts run in several steps).
 
     >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
@@ -61,7 +61,8 @@ class Generator:
         if max_seq_len > model.max_positions:
             model.set_max_positions(max_seq_len)
         self.cache = StaticCache(model, max_batch_size, max_seq_len, lookahead=spec_steps)
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        # auto: CUDA graphs whenever the steps are compiled for a CUDA model
+        self.cuda_graphs = (self.device.type == "cuda" and compile) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not compile:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
         self.compiled = compile
@@ -140,23 +141,14 @@ class Generator:
             raise ValueError("prefill: prompts is empty; pass at least one prompt")
         if B > self.max_batch_size:
             raise ValueError(f"prefill: {B} prompts > max_batch_size {self.max_batch_size}")
-        lens = []
-        for i, p in enumerate(prompts):
-            p = list(p)
-            if len(p) == 0:
-                raise ValueError(f"prefill: prompts[{i}] is empty; every prompt needs >= 1 token")
-            if len(p) > self.max_seq_len:
-                raise ValueError(f"prefill: prompts[{i}] has {len(p)} tokens > max_seq_len {self.max_seq_len}")
-            bad = [t for t in p if not (0 <= int(t) < self.config.vocab_size)]
-            if bad:
-                raise ValueError(f"prefill: prompts[{i}] has token id {bad[0]} outside [0, vocab_size={self.config.vocab_size})")
-            lens.append(len(p))
+        rows = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        lens = [len(r) for r in rows]
         bucket = next(b for b in self.buckets if b >= B)
         C = self.prefill_chunk
         n_chunks = -(-max(lens) // C)
         ids = torch.zeros(bucket, n_chunks * C, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
         ids = ids.to(self.device)
         lens_t = torch.zeros(bucket, dtype=torch.int32)
         lens_t[:B] = torch.tensor(lens, dtype=torch.int32)
@@ -172,12 +164,33 @@ class Generator:
             self._stats["prefill_steps"] += 1
         return logits[:B]
 
+    def _check_prompt(self, i: int, p) -> Tensor:
+        """``prompts[i]`` -> a 1-D int64 CPU tensor, or a ValueError naming the problem."""
+        try:
+            row = torch.as_tensor(p if isinstance(p, Tensor) else list(p))
+        except (TypeError, ValueError, RuntimeError):
+            row = None
+        if row is not None and row.shape == (0,):  # before the dtype check: torch.as_tensor([]) is float
+            raise ValueError(f"prefill: prompts[{i}] is empty; every prompt needs >= 1 token")
+        if row is None or row.dim() != 1 or row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+            raise ValueError(f"prefill: prompts[{i}] must be a list of int token ids (prompts is a list of "
+                             f"such lists), got {type(p).__name__}")
+        if len(row) > self.max_seq_len:
+            raise ValueError(f"prefill: prompts[{i}] has {len(row)} tokens > max_seq_len {self.max_seq_len}")
+        bad = ((row < 0) | (row >= self.config.vocab_size)).nonzero()
+        if len(bad):
+            raise ValueError(f"prefill: prompts[{i}] has token id {int(row[bad[0, 0]])} at index {int(bad[0, 0])} "
+                             f"outside [0, vocab_size={self.config.vocab_size})")
+        return row.to("cpu", torch.long)
+
     def decode(self, next_ids: Tensor) -> Tensor:
         """One token per request (``next_ids [B]``, B = the prefilled batch) -> ``[B, vocab]``."""
         B = len(self._host_lengths)
         if B == 0:
             raise ValueError("decode: call prefill first")
         next_ids = torch.as_tensor(next_ids)
+        if next_ids.is_floating_point() or next_ids.is_complex() or next_ids.dtype == torch.bool:
+            raise ValueError(f"decode: next_ids must hold integer token ids, got dtype {next_ids.dtype}")
         if next_ids.shape != (B,):
             raise ValueError(f"decode: next_ids must have shape [{B}] (the prefilled batch), got {tuple(next_ids.shape)}")
         if next_ids.device.type == "cpu" and bool(((next_ids < 0) | (next_ids >= self.config.vocab_size)).any()):
@@ -207,11 +220,12 @@ class Generator:
         logits = self.prefill(prompts)
         B = len(prompts)
         tokens = [logits.argmax(-1)]
-        t0 = time.perf_counter()
+        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         for _ in range(max_new_tokens - 1):
             tokens.append(self._decode(tokens[-1])[:B].argmax(-1))
         out = torch.stack(tokens, dim=1).tolist()  # the one host sync of the whole loop
-        self._stats["decode_time_s"] += time.perf_counter() - t0
+        # throughput excludes time spent compiling inside the loop
+        self._stats["decode_time_s"] += time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before)
         self._stats["decode_tokens"] += B * (max_new_tokens - 1)
         self._stats["tokens_generated"] += B * max_new_tokens
         return out

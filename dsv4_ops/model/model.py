@@ -99,6 +99,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: DSV4Config, dtype: torch.dtype = torch.float32, device=None,
                  max_positions: int | None = None) -> None:
         super().__init__()
+        if config.scoring_func != "sqrtsoftplus":
+            # the router (model/moe.py) implements V4's sqrt-softplus only; anything else
+            # would silently give different logits from HF
+            raise ValueError(f"DeepseekV4ForCausalLM: config.scoring_func={config.scoring_func!r} is not "
+                             "supported (only 'sqrtsoftplus', as DeepSeek-V4 ships)")
         self.config = config
         max_positions = max_positions or min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
         with torch.device(device or "cpu"):

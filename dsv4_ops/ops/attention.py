@@ -3,6 +3,7 @@ import torch
 from torch import Tensor
 
 from ..reference import ops as ref
+from ..lowering import BACKEND
 from . import _validate as v
 
 
@@ -79,3 +80,15 @@ def sparse_attention(
         v.index_range(op, "cmp_idx", cmp_idx, cmp.shape[1], "cmp entries")
         v.in_range(op, "cmp_len", cmp_len, 0, cmp.shape[1], f"cmp entries Nc={cmp.shape[1]}")
     return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
+
+
+# CUDA (and ROCm) kernel, chosen once at import (DESIGN rule 6): the Triton launcher, unless
+# DSV4_OPS_BACKEND=reference. Registered as the op's CUDA kernel, so under torch.compile it is
+# an opaque call (the triton_op form that lets Inductor see into it is tracked in issue 5).
+if BACKEND == "triton":
+
+    @_sparse_attention.register_kernel("cuda")
+    def _sparse_attention_cuda(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
+        from ..lowering.triton.sparse_attention import sparse_attention as launch
+
+        return launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)

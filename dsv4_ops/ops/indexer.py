@@ -3,6 +3,7 @@ import torch
 from torch import Tensor
 
 from ..reference import ops as ref
+from ..lowering import BACKEND
 from . import _validate as v
 
 
@@ -63,3 +64,14 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
         N = keys.shape[1]
         v.in_range(op, "visible", visible, 0, N, f"keys entries N={N}")
     return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk)
+
+
+# CUDA (and ROCm) kernel, chosen once at import: the Triton scores + radix top-k launcher
+# (same tie rule as the reference), unless DSV4_OPS_BACKEND=reference.
+if BACKEND == "triton":
+
+    @_indexer_topk.register_kernel("cuda")
+    def _indexer_topk_cuda(q, weights, keys, visible, topk):
+        from ..lowering.triton.indexer import indexer_topk as launch
+
+        return launch(q, weights, keys, visible, topk)

@@ -1,0 +1,35 @@
+"""Command line: ``python -m dsv4_ops {demo,info}``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsv4_ops", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="tiny model: prefill + greedy generate, eager vs compiled (vs CUDA graphs)")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
+    sub.add_parser("info", help="versions, devices and the registered ops")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "demo":
+        from .demo import run
+
+        return run(args.device, args.max_new_tokens, compile=not args.no_compile)
+    if args.cmd == "info":
+        import torch
+
+        import dsv4_ops  # noqa: F401  (registers the ops)
+
+        print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+        ops = sorted(n for n in dir(torch.ops.dsv4) if not n.startswith("_") and n not in ("name", "is_loaded"))
+        print("torch.ops.dsv4:", ", ".join(ops))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Triton lightning indexer: scores + top-k with -1 sentinels.
+Contract: ``dsv4_ops.reference.indexer_scores`` / ``indexer_topk``.
+
+Two kernels:
+- ``indexer_scores_kernel``: one program per query token ``(b, s)`` and block of
+  ``BLOCK_N`` entries, all heads at once: ``dots = q[HI, DI] @ keys[BLOCK_N, DI]^T`` (fp32
+  accumulate), ``score = sum_h w[h] * relu(dots[h])``; ``-inf`` for ``i >= visible``.
+  Blocks entirely past ``visible`` skip the key loads.
+- ``topk_kernel``: one program per query row, exact and deterministic, no sort of the row:
+  1. radix select of the k-th largest score: the fp32 scores are mapped to order-preserving
+     uint32 keys (``-0.0`` folded into ``+0.0``, as ``torch.sort`` treats them equal); four
+     8-bit passes of ``tl.histogram`` over the visible prefix narrow the threshold key ``T``
+     and the number ``r`` of entries equal to ``T`` that still belong to the top-k;
+  2. one compaction pass keeps every entry with ``key > T`` and the first ``r`` entries (by
+     index) with ``key == T`` — exactly the stable sort's choice — written as indices into
+     the output row (prefix sums give their slots);
+  3. those ``k_eff = min(topk, visible)`` indices are packed with their keys into uint64
+     ``key << 32 | ~index`` and bitonic-sorted descending (``tl.sort``), which orders by
+     score and, among equal scores, by lower index; slots ``>= k_eff`` get -1.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import launch, next_pow2
+
+__all__ = ["indexer_scores", "indexer_topk", "indexer_scores_kernel", "topk_kernel", "indexer_config"]
+
+INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
+
+
+@triton.jit
+def indexer_scores_kernel(
+    q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr,
+    S, HI, N,
+    sq_b, sq_s, sq_h, sq_d,
+    sw_b, sw_s, sw_h,
+    sk_b, sk_n, sk_d,
+    sv_b, sv_s,
+    so_b, so_s, so_n,
+    DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
+    vis = tl.minimum(tl.maximum(vis, 0), N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = offs_n < vis
+    scores = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    if pid_n * BLOCK_N < vis:
+        offs_h = tl.arange(0, BLOCK_HI)
+        h_mask = offs_h < HI
+        offs_d = tl.arange(0, BLOCK_DI)
+        d_mask = offs_d < DI
+        q = tl.load(
+            q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :] * sq_d,
+            mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+        )
+        keys = tl.load(
+            k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
+            mask=live[:, None] & d_mask[None, :], other=0.0,
+        ).to(q.dtype)
+        if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
+            dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+        else:
+            dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        w = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h * sw_h, mask=h_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+        scores = tl.where(live, scores, float("-inf"))
+    tl.store(out_ptr + b * so_b + s * so_s + offs_n * so_n, scores, mask=offs_n < N)
+
+
+@triton.jit
+def _not32(u):
+    # ``~u`` for uint32, spelled as an xor (the interpreter's ``~`` overflows on unsigned)
+    return u ^ tl.full(u.shape, 0xFFFFFFFF, tl.uint32)
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> uint32 whose unsigned order is the float order (-0.0 == +0.0)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    u = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(u.shape, 0x80000000, tl.uint32)
+    return tl.where((u & sign) != 0, _not32(u), u | sign)
+
+
+@triton.jit
+def topk_kernel(
+    scores_ptr, vis_ptr, out_ptr,
+    S, N, TOPK,
+    ss_b, ss_s, ss_n,
+    sv_b, sv_s,
+    so_b, so_s, so_k,
+    BLOCK: tl.constexpr, KPAD: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
+    vis = tl.minimum(tl.maximum(vis, 0), N)
+    k_eff = tl.minimum(vis, TOPK)
+    row = scores_ptr + b * ss_b + s * ss_s
+    out_row = out_ptr + b * so_b + s * so_s
+
+    # 1. radix select: threshold key T (prefix) and r = entries equal to T still needed
+    prefix = tl.full([], 0, tl.uint32)
+    known = tl.full([], 0, tl.uint32)  # bits of prefix fixed so far
+    k_rem = k_eff
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, vis, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < vis
+            key = _ordered_key(tl.load(row + offs * ss_n, mask=m, other=0.0))
+            m = m & ((key & known) == prefix)
+            digit = ((key >> shift) & 255).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=m)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= d
+        d_star = tl.sum((at_least >= k_rem).to(tl.int32), 0) - 1
+        k_rem -= tl.sum(tl.where(bins > d_star, hist, 0), 0)
+        prefix = prefix | (d_star.to(tl.uint32) << shift)
+        known = known | tl.full([], 255 << shift, tl.uint32)
+
+    # 2. compaction: key > T, plus the first k_rem (lowest index) entries with key == T
+    n_sel = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for start in range(0, vis, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < vis
+        key = _ordered_key(tl.load(row + offs * ss_n, mask=m, other=0.0))
+        eq = (m & (key == prefix)).to(tl.int32)
+        eq_before = n_eq + tl.cumsum(eq, 0) - eq
+        sel = ((m & (key > prefix)) | ((eq != 0) & (eq_before < k_rem))).to(tl.int32)
+        slot = n_sel + tl.cumsum(sel, 0) - sel
+        tl.store(out_row + slot * so_k, offs, mask=sel != 0)
+        n_eq += tl.sum(eq, 0)
+        n_sel += tl.sum(sel, 0)
+    tl.debug_barrier()  # the compacted indices are re-read by other threads
+
+    # 3. order the k_eff picks: score descending, then index ascending
+    j = tl.arange(0, KPAD)
+    picked = j < k_eff
+    idx = tl.load(out_row + j * so_k, mask=picked, other=0)
+    key = _ordered_key(tl.load(row + idx.to(tl.int64) * ss_n, mask=picked, other=0.0))
+    packed = (key.to(tl.uint64) << 32) | _not32(idx.to(tl.uint32)).to(tl.uint64)
+    packed = tl.where(picked, packed, tl.zeros_like(packed))
+    packed = tl.sort(packed, descending=True)
+    idx = _not32(packed.to(tl.uint32)).to(tl.int32)
+    tl.debug_barrier()
+    tl.store(out_row + j * so_k, tl.where(picked, idx, -1), mask=j < TOPK)
+
+
+# --------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------
+def indexer_config(HI: int, DI: int, topk: int) -> dict:
+    """Static block sizes: all indexer heads per program (64 for V4), 64 entries per block."""
+    return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=64,
+                num_warps=4, TOPK_BLOCK=1024, KPAD=max(16, next_pow2(topk)), topk_warps=4)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                   out: torch.Tensor | None = None, *, wrap: bool = False) -> torch.Tensor:
+    """``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``."""
+    B, S, HI, DI = q.shape
+    N = keys.shape[1]
+    if out is None:
+        out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
+    if B * S * N == 0:
+        return out
+    cfg = indexer_config(HI, DI, 1)
+    launch(
+        indexer_scores_kernel, (B * S, -(-N // cfg["BLOCK_N"])),
+        q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
+        S, HI, N,
+        *q.stride(), *weights.stride(), *keys.stride(), *visible.stride(), *out.stride(),
+        DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
+        UPCAST_DOT=INTERPRET, num_warps=cfg["num_warps"], wrap=wrap,
+    )
+    return out
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
+                 wrap: bool = False) -> torch.Tensor:
+    """Raw launcher with the reference signature: ``[B, S, topk] int32``, -1 sentinels.
+
+    ``scores`` (optional ``[B, S, N] fp32``) is the scratch row buffer; ``wrap=True``
+    launches through ``torch.library.wrap_triton`` (inside a ``triton_op``).
+    """
+    B, S = visible.shape
+    N = keys.shape[1]
+    if out is None:
+        out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
+    if B * S * topk == 0:
+        return out
+    if N == 0:
+        out.fill_(-1)
+        return out
+    scores = indexer_scores(q, weights, keys, visible, out=scores, wrap=wrap)
+    cfg = indexer_config(q.shape[2], q.shape[3], topk)
+    launch(
+        topk_kernel, (B * S,),
+        scores, visible, out, S, N, topk,
+        *scores.stride(), *visible.stride(), *out.stride(),
+        BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["topk_warps"], wrap=wrap,
+    )
+    return out

@@ -1,0 +1,326 @@
+"""Triton sparse attention: MQA with one shared K = V row per entry, over a per-query
+entry set (window rows ∪ indexer-picked compressed entries ∪ a dense compressed prefix),
+one fp32 softmax with the per-head sink. Contract: ``dsv4_ops.reference.sparse_attention``.
+
+Design (H200 decode first):
+- One program = one query token ``(b, s)`` x one block of ``BLOCK_H`` heads (all 64 heads
+  of V4-Flash when ``BLOCK_H = 64``), so every gathered entry row is read from HBM once per
+  token and used by all heads of the block: ``scores = q[BLOCK_H, D] @ rows[BLOCK_N, D]^T``,
+  ``acc += p @ rows`` on tensor cores, online softmax (running max ``m``, sum ``l``) in fp32
+  with ``exp2``.
+- The entry list is virtual: positions ``[0, W)`` are ``kv_idx`` (window rows of ``kv``),
+  ``[W, W+K)`` are ``cmp_idx`` (rows of ``cmp``), ``[W+K, W+K+cmp_len)`` the dense prefix of
+  ``cmp``. A block may straddle segments: each lane picks its row pointer by segment, -1
+  entries are masked (no memory traffic). The loop stops at the query's own
+  ``W + K + min(cmp_len, Nc)`` (read on the device), not at the static capacity.
+- The sink is folded in exactly once, at the end, with the same max:
+  ``out = acc * 2^(m - M) / (l * 2^(m - M) + 2^(sink - M))``, ``M = max(m, sink)``. A query
+  with no entries gets ``0 / 1 = 0`` like the reference.
+- Split-KV (``num_splits > 1``, chosen from static sizes only): a third grid dimension cuts
+  the query's valid entry range into ``num_splits`` contiguous chunks (multiples of
+  ``BLOCK_N``); each writes its partial ``(m, l, acc)`` to an fp32 workspace and
+  ``combine_kernel`` merges them (sink added once there). Same single-softmax result.
+
+Measured on the H200 (bf16, H=64, D=512, CUDA-graph timing, floor = max(bytes / 4.3 TB/s,
+flops / 790 TFLOP/s)): CSA 32K context (W=128 + K=512 entries) B=64 54 us = 22% of the
+floor, B=128 81 us = 29%; HCA 128K (128 + 1024 entries) B=64 84 us = 23%, B=128 137 us =
+29%. Short of the 60% target: one 255-register program fills an SM and Triton's pipeliner
+keeps at most one gathered block in flight, so each 32-row block costs ~3.5 us of
+serialized gather latency + QK + softmax + PV. (A hand-rolled register prefetch of the
+next block was slower.) The torch reference takes 6.2 ms at CSA B=64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import backend, launch, next_pow2, sm_count
+
+__all__ = ["sparse_attention", "attention_config", "sparse_attention_kernel", "combine_kernel"]
+
+_LOG2E = 1.4426950408889634
+INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # Triton 3.6's interpreter multiplies bf16 operands as raw uint16 bits: there (only)
+    # the operands go through fp32, which is exact for bf16/fp16 values.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
+    """Row index of virtual entries ``v``: window (kv_idx), picked (cmp_idx), dense prefix."""
+    in_w = v < W
+    in_k = (v >= W) & (v < W + K)
+    wi = tl.load(widx_row + v * swi_w, mask=in_w, other=-1)
+    ci = tl.load(cidx_row + (v - W) * sci_k, mask=in_k, other=-1)
+    return tl.where(in_w, wi, tl.where(in_k, ci, v - W - K))
+
+
+@triton.jit
+def _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d):
+    """Row pointers [BLOCK_N, BLOCK_D] (kv for window entries, cmp otherwise) and validity."""
+    in_w = v < W
+    valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, N_CMP))
+    idx64 = idx.to(tl.int64)
+    rows = tl.where(
+        in_w[:, None],
+        kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
+        cmp_row0 + idx64[:, None] * sc_n + offs_d[None, :] * sc_d,
+    )
+    return rows, valid
+
+
+@triton.jit
+def _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT: tl.constexpr):
+    logits = _dot(q, tl.trans(e), UPCAST_DOT) * scale_log2e
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(logits - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(e.dtype), e, UPCAST_DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def sparse_attention_kernel(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    S, H, N_KV, N_CMP, W, K,
+    sq_b, sq_s, sq_h, sq_d,
+    skv_b, skv_n, skv_d,
+    swi_b, swi_s, swi_w,
+    sc_b, sc_n, sc_d,
+    sci_b, sci_s, sci_k,
+    scl_b, scl_s,
+    so_b, so_s, so_h, so_d,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)  # query token b * S + s
+    pid_h = tl.program_id(1)  # head block
+    pid_sp = tl.program_id(2)  # split of the entry list
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    q = tl.load(
+        q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :] * sq_d,
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    clen = tl.load(cmp_len_ptr + b * scl_b + s * scl_s)
+    clen = tl.minimum(tl.maximum(clen, 0), N_CMP)
+    total = W + K + clen
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = pid_sp * chunk
+        hi = tl.minimum(lo + chunk, total)
+    else:
+        lo = 0
+        hi = total
+
+    kv_row0 = kv_ptr + b * skv_b
+    cmp_row0 = cmp_ptr + b * sc_b
+    widx_row = kv_idx_ptr + b * swi_b + s * swi_s
+    cidx_row = cmp_idx_ptr + b * sci_b + s * sci_s
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        v = start + tl.arange(0, BLOCK_N)
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        rows, valid = _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d)
+        e = tl.load(rows, mask=valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT)
+
+    if NUM_SPLITS == 1:
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        denom = l_i * alpha + tl.exp2(sink - m_f)
+        o = acc * (alpha / denom)[:, None]
+        tl.store(
+            out_ptr + b * so_b + s * so_s + offs_h[:, None] * so_h + offs_d[None, :] * so_d,
+            o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        row = (pid_t * NUM_SPLITS + pid_sp).to(tl.int64) * H + offs_h
+        tl.store(part_m_ptr + row, m_i, mask=h_mask)
+        tl.store(part_l_ptr + row, l_i, mask=h_mask)
+        tl.store(part_acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, out_ptr,
+    S, H,
+    so_b, so_s, so_h, so_d,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge the split partials of one token and head block into the single softmax."""
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_f = sink
+    for sp in range(NUM_SPLITS):
+        row = (pid_t * NUM_SPLITS + sp).to(tl.int64) * H + offs_h
+        m_f = tl.maximum(m_f, tl.load(part_m_ptr + row, mask=h_mask, other=float("-inf")))
+    denom = tl.exp2(sink - m_f)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for sp in range(NUM_SPLITS):
+        row = (pid_t * NUM_SPLITS + sp).to(tl.int64) * H + offs_h
+        w = tl.exp2(tl.load(part_m_ptr + row, mask=h_mask, other=float("-inf")) - m_f)
+        denom += w * tl.load(part_l_ptr + row, mask=h_mask, other=0.0)
+        a = tl.load(part_acc_ptr + row[:, None] * D + offs_d[None, :], mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += w[:, None] * a
+    o = acc / denom[:, None]
+    tl.store(
+        out_ptr + b * so_b + s * so_s + offs_h[:, None] * so_h + offs_d[None, :] * so_d,
+        o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+# --------------------------------------------------------------------------------------
+# launch configuration: a pure function of static sizes (never of tensor values)
+# --------------------------------------------------------------------------------------
+_MIN_ENTRIES_PER_SPLIT = 64  # 2 blocks of 32
+_MAX_SPLITS = 16
+
+
+def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int = 132,
+                     num_splits: int | None = None, backend: str = "cuda") -> dict:
+    """Block sizes, warps, stages and split count: a pure function of static sizes.
+
+    ``max_entries`` is the static length of a query's entry list the split rule plans for
+    (the launcher uses ``W + K`` for CSA (``K > 0``) and ``W + Nc`` otherwise).
+    ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma).
+
+    D = 512 (V4): sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 3 stages: wgmma, 255 regs, no
+    spills, ~131 KB shared, so ONE program per SM; fastest of the configs swept on the H200
+    (BLOCK_H 16/32/64, BLOCK_N 16/32, stages 1-6). gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``,
+    4 warps, 1 stage: no VGPR/SGPR spills in the cross-compile (``BLOCK_H=64`` spills);
+    not timed on AMD hardware.
+
+    Split-KV: since one program fills an SM, the programs should make one full wave:
+    the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms`` (measured on the
+    H200: B=64 -> 2 splits beats 1 and 3; B=128 -> 1), with at most ``_MAX_SPLITS`` splits
+    of at least ``_MIN_ENTRIES_PER_SPLIT`` entries.
+    """
+    block_d = next_pow2(D)
+    hip = backend == "hip"
+    if block_d >= 256:
+        block_h = min(max(16, next_pow2(H)), 32 if hip else 64)
+        block_n = 16 if hip else 32
+        num_warps = 8 if (not hip and block_h * block_d >= 64 * 256) else 4
+        num_stages = 1 if hip else 3
+    else:
+        block_h = min(max(16, next_pow2(H)), 64)
+        block_n = 32 if hip else 64
+        num_warps = 4
+        num_stages = 1 if hip else 2
+    head_blocks = -(-H // block_h)
+    programs = B * S * head_blocks
+    if num_splits is None:
+        one_wave = sms // max(programs, 1)
+        num_splits = min(one_wave, max_entries // _MIN_ENTRIES_PER_SPLIT, _MAX_SPLITS)
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+                num_stages=num_stages, NUM_SPLITS=max(1, int(num_splits)))
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_idx: torch.Tensor,
+    cmp: torch.Tensor,
+    cmp_idx: torch.Tensor,
+    cmp_len: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    config: dict | None = None,
+    max_entries: int | None = None,
+    wrap: bool = False,
+) -> torch.Tensor:
+    """Raw launcher with the reference signature; returns ``out`` ``[B, S, H, D]`` in ``q.dtype``.
+
+    ``kv`` and ``cmp`` must share a dtype (rows are cast to ``q.dtype`` for the dots; fp32
+    inputs use IEEE fp32 dots). ``num_splits`` / ``config`` override the static heuristic
+    (tests); ``wrap=True`` launches through ``torch.library.wrap_triton`` (inside a
+    ``triton_op``). Indices outside ``[0, rows)`` are skipped like ``-1``.
+    """
+    B, S, H, D = q.shape
+    W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
+    N_KV, N_CMP = kv.shape[1], cmp.shape[1]
+    sink = sink.contiguous()
+    if kv.dtype != cmp.dtype:
+        raise ValueError(f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
+    if out is None:
+        out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    if B * S * H * D == 0:
+        return out
+    if max_entries is None:
+        max_entries = W + (K if K > 0 else N_CMP)
+    cfg = dict(config) if config is not None else attention_config(
+        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend())
+    if num_splits is not None:
+        cfg["NUM_SPLITS"] = num_splits
+    splits = cfg["NUM_SPLITS"]
+    # zero-size tensors never get dereferenced (masked) but need a real pointer
+    if N_KV == 0 or W == 0:
+        kv, N_KV = cmp if N_CMP > 0 else q.new_empty((B, 1, D), dtype=kv.dtype), 0
+    if N_CMP == 0:
+        cmp = kv if kv.numel() > 0 else q.new_empty((B, 1, D), dtype=kv.dtype)
+    if W == 0:
+        kv_idx = cmp_len[..., None]
+    if K == 0:
+        cmp_idx = cmp_len[..., None]
+    if splits > 1:
+        part_m = torch.empty((B * S, splits, H), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((B * S, splits, H, D), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    grid = (B * S, -(-H // cfg["BLOCK_H"]), splits)
+    launch(
+        sparse_attention_kernel, grid,
+        q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
+        float(scale) * _LOG2E,
+        S, H, N_KV, N_CMP, W, K,
+        *q.stride(), *kv.stride(), *kv_idx.stride(), *cmp.stride(), *cmp_idx.stride(),
+        *cmp_len.stride(), *out.stride(),
+        D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=splits, UPCAST_DOT=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=wrap,
+    )
+    if splits > 1:
+        block_h_c = min(16, max(1, next_pow2(H)))
+        launch(
+            combine_kernel, (B * S, -(-H // block_h_c)),
+            part_m, part_l, part_acc, sink, out, S, H, *out.stride(),
+            D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=block_h_c, NUM_SPLITS=splits,
+            num_warps=4, wrap=wrap,
+        )
+    return out

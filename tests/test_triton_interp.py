@@ -1,0 +1,271 @@
+"""Raw Triton launchers vs the reference ops.
+
+On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (numpy, one program
+at a time), so grids stay small; on a CUDA machine the same tests launch the compiled kernels
+on the GPU. Every output buffer is poisoned before the launch.
+"""
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+from dsv4_ops.reference import ops as ref  # noqa: E402
+
+
+def _kernel_module(name):
+    """``dsv4_ops.lowering.triton.<name>`` when installed that way, else the checkout's ``lowering``."""
+    try:
+        return importlib.import_module(f"dsv4_ops.lowering.triton.{name}")
+    except ImportError:
+        root = str(Path(__file__).resolve().parents[1])
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        return importlib.import_module(f"lowering.triton.{name}")
+
+
+attn = _kernel_module("sparse_attention")
+indexer = _kernel_module("indexer")
+
+
+# --------------------------------------------------------------------------------------
+# sparse attention
+# --------------------------------------------------------------------------------------
+def _attention_inputs(B, S, H, D, N, W, Nc, K, dtype, cmp_len=None):
+    dev = DEVICE
+    q = torch.randn(B, S, H, D, device=dev).to(dtype)
+    kv = torch.randn(B, N, D, device=dev).to(dtype)
+    cmp = torch.randn(B, Nc, D, device=dev).to(dtype)
+    kv_idx = torch.randint(-1, max(N, 1), (B, S, W), device=dev, dtype=torch.int32)
+    if N == 0:
+        kv_idx.fill_(-1)
+    cmp_idx = torch.randint(-1, max(Nc, 1), (B, S, K), device=dev, dtype=torch.int32)
+    if Nc == 0:
+        cmp_idx.fill_(-1)
+    if cmp_len is None:
+        cmp_len = torch.randint(0, Nc + 1, (B, S), device=dev, dtype=torch.int32)
+    sink = torch.randn(H, device=dev)
+    return q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, D**-0.5
+
+
+def _run_attention(poison, args, **kw):
+    q = args[0]
+    out = poison(torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    got = attn.sparse_attention(*args, out=out, **kw)
+    assert got is out
+    return got
+
+
+def _small(block_h=16, block_n=16, splits=1, D=64):
+    """An explicit config: small blocks so the few entries span several blocks/segments."""
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=attn.next_pow2(D), num_warps=4,
+                num_stages=1, NUM_SPLITS=splits)
+
+
+ATTENTION_CASES = {
+    # name: (B, S, H, D, N, W, Nc, K, config-or-None)
+    "csa": (2, 2, 4, 64, 12, 8, 40, 16, None),
+    "straddle_blocks": (2, 2, 4, 64, 12, 5, 23, 7, _small()),  # blocks cross window/cmp/dense
+    "two_head_blocks": (1, 2, 20, 64, 12, 8, 9, 6, _small()),  # H=20: 2 blocks, masked heads
+    "hca_dense_only": (2, 2, 4, 64, 12, 8, 40, 0, None),  # K = 0
+    "window_only": (2, 2, 4, 64, 12, 8, 0, 0, None),  # Nc = 0, K = 0
+    "no_window": (2, 1, 4, 64, 12, 0, 20, 5, None),  # W = 0
+    "d512": (1, 2, 4, 512, 6, 4, 5, 3, None),  # V4 head dim, tiny entry count
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_sparse_attention_matches_reference(case, dtype, splits, poison, tol):
+    B, S, H, D, N, W, Nc, K, cfg = ATTENTION_CASES[case]
+    args = _attention_inputs(B, S, H, D, N, W, Nc, K, dtype)
+    if cfg is not None:
+        cfg = dict(cfg, NUM_SPLITS=splits)
+    got = _run_attention(poison, args, num_splits=splits, config=cfg)
+    want = ref.sparse_attention(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sparse_attention_without_entries_is_zero(splits, poison):
+    """All -1 indices and cmp_len = 0: the sink takes all the mass, the output is exactly 0."""
+    args = list(_attention_inputs(2, 2, 4, 64, 12, 8, 10, 6, torch.float32))
+    args[2] = torch.full_like(args[2], -1)
+    args[4] = torch.full_like(args[4], -1)
+    args[5] = torch.zeros_like(args[5])
+    got = _run_attention(poison, args, num_splits=splits)
+    assert torch.equal(got, torch.zeros_like(got))
+    assert torch.equal(ref.sparse_attention(*args), torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sparse_attention_single_entry(splits, poison, tol):
+    """One valid window row: o = e * exp(l) / (exp(l) + exp(sink)) per head."""
+    q, kv, kv_idx, cmp, cmp_idx, _, sink, scale = _attention_inputs(1, 1, 4, 64, 12, 8, 0, 0, torch.float32)
+    kv_idx = torch.full_like(kv_idx, -1)
+    kv_idx[0, 0, 5] = 7
+    cmp_len = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
+    got = _run_attention(poison, args, num_splits=splits)
+    e = kv[0, 7]
+    logit = scale * (q[0, 0] @ e)
+    expect = (torch.sigmoid(logit - sink)[:, None] * e)[None, None]
+    torch.testing.assert_close(got, expect, **tol(torch.float32))
+    torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
+
+
+def test_sparse_attention_lengths_outside_pool(poison, tol):
+    """cmp_len beyond the pool is clamped to Nc, negative means none (reference semantics)."""
+    args = list(_attention_inputs(2, 2, 4, 64, 12, 8, 10, 6, torch.float32))
+    args[5] = torch.tensor([[13, -3], [10, 0]], dtype=torch.int32, device=DEVICE)
+    got = _run_attention(poison, args, num_splits=2)
+    torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
+
+
+def test_sparse_attention_more_splits_than_blocks(poison, tol):
+    """Splits past the query's entries write empty partials; the combine ignores them."""
+    args = _attention_inputs(2, 1, 4, 64, 12, 3, 6, 2, torch.float32)
+    got = _run_attention(poison, args, num_splits=8)
+    torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
+
+
+def test_sparse_attention_non_contiguous_inputs(poison, tol):
+    """Strided q (heads-major storage) and a strided cmp pool are read through their strides."""
+    q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale = _attention_inputs(2, 2, 4, 64, 12, 8, 20, 6, torch.float32)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, S, H, D] view of [B, H, S, D]
+    cmp_wide = torch.randn(2, 20, 128, device=DEVICE)
+    cmp_wide[..., :64] = cmp
+    args = (q_t, kv, kv_idx, cmp_wide[..., :64], cmp_idx, cmp_len, sink, scale)
+    got = _run_attention(poison, args, num_splits=2)
+    torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
+
+
+def test_attention_config_is_static_and_splits_small_batches():
+    """Configs are a function of static sizes; split-KV fills one wave of SMs, no more."""
+    flash = dict(H=64, D=512, sms=132)
+    csa = 128 + 512
+    decode = {B: attn.attention_config(B=B, S=1, max_entries=csa, **flash) for B in (1, 64, 128)}
+    assert decode[64]["BLOCK_H"] == 64 and decode[64]["BLOCK_N"] == 32 and decode[64]["num_warps"] == 8
+    assert [decode[B]["NUM_SPLITS"] for B in (1, 64, 128)] == [csa // 64, 2, 1]
+    assert attn.attention_config(B=1, S=1, max_entries=100, **flash)["NUM_SPLITS"] == 1  # too few entries
+    assert attn.attention_config(B=1, S=1, max_entries=128 + 8192, **flash)["NUM_SPLITS"] == 16  # capped
+    hip = attn.attention_config(B=1, S=1, H=64, D=512, max_entries=csa, sms=304, backend="hip")
+    assert hip["BLOCK_H"] == 32 and hip["num_stages"] == 1
+
+
+def test_launch_through_wrap_triton(poison, tol):
+    """``wrap=True`` (the path a triton_op takes) launches the same kernels."""
+    args = _attention_inputs(1, 2, 4, 64, 12, 8, 10, 4, torch.float32)
+    got = _run_attention(poison, args, num_splits=2, wrap=True)
+    torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
+    q, w, k, v = _indexer_inputs(1, 2, 4, 32, 20, torch.float32, integer=True)
+    picked = indexer.indexer_topk(q, w, k, v, 8, wrap=True)
+    assert torch.equal(picked, ref.indexer_topk(q, w, k, v, 8))
+
+
+# --------------------------------------------------------------------------------------
+# lightning indexer
+# --------------------------------------------------------------------------------------
+def _indexer_inputs(B, S, HI, DI, N, dtype, integer=False, visible=None, weights=None):
+    dev = DEVICE
+    if integer:  # small integers: every score is exact in fp32 whatever the summation order
+        draw = lambda *shape: torch.randint(-2, 3, shape, device=dev).to(dtype)  # noqa: E731
+    else:
+        draw = lambda *shape: torch.randn(*shape, device=dev).to(dtype)  # noqa: E731
+    q, keys = draw(B, S, HI, DI), draw(B, N, DI)
+    w = draw(B, S, HI) if weights is None else weights
+    if visible is None:
+        visible = torch.randint(0, N + 1, (B, S), device=dev, dtype=torch.int32)
+    return q, w, keys, visible
+
+
+def _run_topk(poison, q, w, keys, visible, topk):
+    out = poison(torch.empty(*visible.shape, topk, dtype=torch.int32, device=DEVICE))
+    scores = poison(torch.empty(*visible.shape, keys.shape[1], dtype=torch.float32, device=DEVICE))
+    got = indexer.indexer_topk(q, w, keys, visible, topk, out=out, scores=scores)
+    assert got is out
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_matches_reference(dtype, poison, tol):
+    q, w, keys, visible = _indexer_inputs(2, 2, 8, 32, 70, dtype)
+    visible[0, 0] = 70
+    out = poison(torch.empty(2, 2, 70, dtype=torch.float32, device=DEVICE))
+    got = indexer.indexer_scores(q, w, keys, visible, out=out)
+    want = ref.indexer_scores(q, w, keys, visible)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, **tol(torch.float32 if dtype == torch.float32 else dtype))
+
+
+INDEXER_CASES = {
+    # name: (B, S, HI, DI, N, topk, visible or None (random))
+    "random_visible": (2, 2, 4, 32, 40, 16, None),
+    "visible_below_topk": (2, 2, 4, 32, 40, 16, [[3, 0], [15, 1]]),
+    "visible_past_pool": (1, 2, 4, 32, 12, 8, [[12, 50]]),
+    "topk_wider_than_pool": (1, 2, 4, 32, 10, 16, [[10, 7]]),
+    "topk_one": (2, 1, 4, 32, 33, 1, None),
+    "several_row_chunks": (1, 1, 16, 64, 2500, 64, [[2431]]),  # > 2 chunks of 1024
+    "v4_heads": (1, 1, 64, 128, 200, 32, [[177]]),  # 64 indexer heads x 128 dims
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(INDEXER_CASES))
+def test_indexer_topk_matches_reference_exactly(case, dtype, poison):
+    """Integer-valued inputs: exact scores with many ties, so indices must match exactly
+    (order by descending score, ties to the lower index, -1 after min(topk, visible))."""
+    B, S, HI, DI, N, topk, vis = INDEXER_CASES[case]
+    visible = None if vis is None else torch.tensor(vis, dtype=torch.int32, device=DEVICE)
+    q, w, keys, visible = _indexer_inputs(B, S, HI, DI, N, dtype, integer=True, visible=visible)
+    got = _run_topk(poison, q, w, keys, visible, topk)
+    want = ref.indexer_topk(q, w, keys, visible, topk)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_ties_at_negative_zero(poison):
+    """All-negative weights make every all-ReLU-zero entry score -0.0: one big tie group that
+    must be broken by index exactly like the stable sort (which treats -0.0 == +0.0)."""
+    B, S, HI = 2, 2, 4
+    w = -torch.randint(1, 3, (B, S, HI), device=DEVICE).float()
+    q, w, keys, visible = _indexer_inputs(B, S, HI, 16, 48, torch.float32, integer=True, weights=w)
+    visible = torch.full_like(visible, 48)
+    got = _run_topk(poison, q, w, keys, visible, 24)
+    assert torch.equal(got, ref.indexer_topk(q, w, keys, visible, 24))
+
+
+def test_indexer_topk_all_invisible_and_empty_pool(poison):
+    q, w, keys, visible = _indexer_inputs(2, 2, 4, 32, 20, torch.float32, visible=None)
+    visible = torch.zeros_like(visible)
+    assert torch.equal(_run_topk(poison, q, w, keys, visible, 8), torch.full((2, 2, 8), -1, dtype=torch.int32, device=DEVICE))
+    empty = keys[:, :0]
+    got = _run_topk(poison, q, w, empty, visible + 3, 8)
+    assert torch.equal(got, ref.indexer_topk(q, w, empty, visible + 3, 8))
+
+
+def test_indexer_topk_random_scores(poison):
+    """Random fp32 inputs: the picks are exactly the stable top-k of the kernel's own scores,
+    and their reference scores match the reference picks' scores (summation order may differ)."""
+    q, w, keys, visible = _indexer_inputs(2, 2, 8, 32, 300, torch.float32)
+    visible[0, 0] = 300
+    topk = 64
+    scores = indexer.indexer_scores(q, w, keys, visible)
+    got = _run_topk(poison, q, w, keys, visible, topk)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    rank = torch.arange(topk, device=DEVICE)
+    expect = torch.where(rank < visible[..., None], order, -1).to(torch.int32)
+    assert torch.equal(got, expect)
+    want = ref.indexer_topk(q, w, keys, visible, topk)
+    ref_scores = ref.indexer_scores(q, w, keys, visible)
+    pick = lambda idx: torch.gather(ref_scores, -1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0)  # noqa: E731
+    torch.testing.assert_close(pick(got), pick(want), atol=1e-4, rtol=1e-4)
