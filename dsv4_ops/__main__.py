@@ -12,13 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
+    demo.add_argument("--spec-steps", type=int, default=0, help="also run MTP speculative decoding with k drafts")
     sub.add_parser("info", help="versions, devices and the registered ops")
     args = parser.parse_args(argv)
 
     if args.cmd == "demo":
         from .demo import run
 
-        return run(args.device, args.max_new_tokens, compile=not args.no_compile)
+        return run(args.device, args.max_new_tokens, compile=not args.no_compile, spec_steps=args.spec_steps)
     if args.cmd == "info":
         import torch
 

@@ -16,12 +16,14 @@ class StaticCache:
 
     ``lookahead``: extra ring slots so that steps of ``1 + lookahead`` tokens can run in ring
     mode and rejected speculative tokens never clobber a row that is still needed.
+    ``mtp``: also allocate the MTP block's window ring (``mtp_states``).
     Every buffer is marked as a static address, so CUDA graphs treat the in-place writes
     as writes to fixed memory (no "mutated inputs" cudagraph skips).
     """
 
     def __init__(self, model, max_batch_size: int, max_seq_len: int, lookahead: int = 0,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 mtp: bool = False) -> None:
         cfg = model.config
         if max_batch_size < 1:
             raise ValueError(f"StaticCache: max_batch_size must be >= 1, got {max_batch_size}")
@@ -36,7 +38,14 @@ class StaticCache:
             layer.self_attn.init_state(max_batch_size, max_seq_len, self.rings, dtype, device)
             for layer in model.model.layers
         ]
-        for st in self.states:
+        # the MTP block's window (sliding attention only); its steps carry one token more than
+        # the main model's (the position before the verified ones, see speculative.py)
+        self.mtp_rings: RingSizes = ring_sizes(cfg, lookahead + 1)
+        self.mtp_states: list[AttentionState] = [
+            blk.self_attn.init_state(max_batch_size, max_seq_len, self.mtp_rings, dtype, device)
+            for blk in getattr(model, "mtp", [])
+        ] if mtp else []
+        for st in self.states + self.mtp_states:
             for t in self.tensors(st):
                 torch._dynamo.mark_static_address(t)
 
@@ -45,4 +54,4 @@ class StaticCache:
         return [t for t in (getattr(state, f.name) for f in dataclasses.fields(state)) if t is not None]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self.states for t in self.tensors(st))
+        return sum(t.numel() * t.element_size() for st in self.states + self.mtp_states for t in self.tensors(st))

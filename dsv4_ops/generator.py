@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .cache import StaticCache
 from .ops._validate import trusted_inputs
+from .speculative import SpecDecoding
 
 __all__ = ["Generator"]
 
@@ -48,9 +49,12 @@ class Generator:
     """
 
     def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-                 compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64) -> None:
-        if spec_steps != 0:
-            raise ValueError(f"spec_steps={spec_steps}: MTP speculative decoding is not available yet (use 0)")
+                 compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64,
+                 _draft: str = "mtp") -> None:
+        if not isinstance(spec_steps, int) or spec_steps < 0:
+            raise ValueError(f"spec_steps must be an int >= 0, got {spec_steps!r}")
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError(f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model.eval()
@@ -58,9 +62,13 @@ class Generator:
         self.device = model.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk = prefill_chunk
-        if max_seq_len > model.max_positions:
-            model.set_max_positions(max_seq_len)
-        self.cache = StaticCache(model, max_batch_size, max_seq_len, lookahead=spec_steps)
+        self.spec_steps = spec_steps
+        # a speculative step may write up to spec_steps + 1 positions past a request's last
+        # accepted token (rejected drafts), so the pool has that much slack past max_seq_len
+        capacity = max_seq_len + 2 * (spec_steps + 1) if spec_steps else max_seq_len
+        if capacity > model.max_positions:
+            model.set_max_positions(capacity)
+        self.cache = StaticCache(model, max_batch_size, capacity, lookahead=spec_steps, mtp=spec_steps > 0)
         # auto: CUDA graphs whenever the steps are compiled for a CUDA model
         self.cuda_graphs = (self.device.type == "cuda" and compile) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not compile:
@@ -75,9 +83,11 @@ class Generator:
         self._views = {b: _BucketView(self.cache, b) for b in self.buckets}
         self._steps: dict[tuple[str, int], object] = {}
         self._graphs: dict[tuple[str, int], int] = {}  # graphs compiled per step function
+        self.spec = SpecDecoding(self, spec_steps, _draft) if spec_steps else None
+        self.spec_history: list[list[int]] = []  # tokens emitted per row, per speculative step
         self._stats = dict(prefill_steps=0, decode_steps=0, compile_time_s=0.0, recompiles=0, graph_breaks=0,
                            cuda_graph_replays=0, tokens_generated=0, decode_tokens=0, decode_time_s=0.0,
-                           accepted_tokens=0)
+                           spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
 
     # ------------------------------------------------------------------ step functions
     def _prefill_step(self, ids: Tensor, n_new: Tensor) -> Tensor:
@@ -102,15 +112,17 @@ class Generator:
     def _step_fn(self, kind: str, bucket: int):
         key = (kind, bucket)
         if key not in self._steps:
-            fn = self._prefill_step if kind == "prefill" else self._decode_step
+            fn = {"prefill": self._prefill_step, "decode": self._decode_step,
+                  "spec_prefill": getattr(self.spec, "prefill_step", None), "spec": getattr(self.spec, "step", None)}[kind]
             if self.compiled:
                 mode = "reduce-overhead" if self.cuda_graphs else None
                 fn = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
             self._steps[key] = fn
         return self._steps[key]
 
-    def _run(self, kind: str, ids: Tensor, n_new: Tensor) -> Tensor:
-        fn = self._step_fn(kind, ids.shape[0])
+    def _run(self, kind: str, *args: Tensor):
+        bucket = args[0].shape[0]
+        fn = self._step_fn(kind, bucket)
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]
         breaks_before = sum(counters["graph_break"].values())
@@ -118,19 +130,21 @@ class Generator:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad(), trusted_inputs():
-            out = fn(ids, n_new)
+            out = fn(*args)
         new_graphs = counters["stats"]["unique_graphs"] - graphs_before
         self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
         if self.compiled and new_graphs:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self._stats["compile_time_s"] += time.perf_counter() - t0
-            key = (kind, ids.shape[0])
+            key = (kind, bucket)
             self._graphs[key] = self._graphs.get(key, 0) + new_graphs
             self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
         elif self.cuda_graphs:
             self._stats["cuda_graph_replays"] += 1
-        return out.clone() if self.cuda_graphs else out
+        if self.cuda_graphs:  # graph outputs are overwritten by the next replay
+            out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        return out
 
     # ------------------------------------------------------------------ public API
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
@@ -157,11 +171,20 @@ class Generator:
         self.lengths.zero_()  # a new batch: position-addressed state needs no other reset
         self._bucket, self._host_lengths = bucket, lens
         logits = None
+        if self.spec is not None:  # the token after each prompt position feeds the MTP window
+            next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
         for j in range(n_chunks):
             n_new = (lens_t - j * C).clamp(0, C).to(torch.int32)
-            out = self._run("prefill", ids[:, j * C : (j + 1) * C], n_new)
+            chunk = ids[:, j * C : (j + 1) * C]
+            if self.spec is None:
+                out = self._run("prefill", chunk, n_new)
+            else:
+                n_mtp = (lens_t - 1 - j * C).clamp(0, C).to(torch.int32)  # positions with a known next token
+                out = self._run("spec_prefill", chunk, next_ids[:, j * C : (j + 1) * C], n_new, n_mtp)
             logits = out if logits is None else torch.where((n_new > 0)[:, None], out, logits)
             self._stats["prefill_steps"] += 1
+        if self.spec is not None:
+            self.spec.start(logits.argmax(-1))
         return logits[:B]
 
     def _check_prompt(self, i: int, p) -> Tensor:
@@ -186,6 +209,9 @@ class Generator:
     def decode(self, next_ids: Tensor) -> Tensor:
         """One token per request (``next_ids [B]``, B = the prefilled batch) -> ``[B, vocab]``."""
         B = len(self._host_lengths)
+        if self.spec is not None:
+            raise ValueError("decode: this Generator drafts with spec_steps > 0; use generate(), or a "
+                             "Generator with spec_steps=0 for token-by-token decode")
         if B == 0:
             raise ValueError("decode: call prefill first")
         next_ids = torch.as_tensor(next_ids)
@@ -219,6 +245,8 @@ class Generator:
                              f"> max_seq_len {self.max_seq_len}")
         logits = self.prefill(prompts)
         B = len(prompts)
+        if self.spec is not None:
+            return self._generate_spec(logits.argmax(-1), max_new_tokens)
         tokens = [logits.argmax(-1)]
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         for _ in range(max_new_tokens - 1):
@@ -230,10 +258,42 @@ class Generator:
         self._stats["tokens_generated"] += B * max_new_tokens
         return out
 
+    def _generate_spec(self, first: Tensor, max_new_tokens: int) -> list[list[int]]:
+        """Speculative steps until every row has ``max_new_tokens``; finished rows sit out
+        (their ``active`` flag is 0, so they write nothing and do not advance)."""
+        B, bucket, k = first.shape[0], self._bucket, self.spec_steps
+        out = [[t] for t in first.tolist()]
+        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
+        while True:
+            active = [int(len(o) < max_new_tokens) for o in out] + [0] * (bucket - B)
+            if not any(active):
+                break
+            tokens, counts = self._run("spec", torch.tensor(active, dtype=torch.int32, device=self.device))
+            tokens, counts = tokens.tolist(), counts.tolist()  # one small sync per step
+            self.spec_history.append(counts[:B])
+            for b in range(B):
+                out[b] += tokens[b][: counts[b]]
+                self._host_lengths[b] += counts[b]
+            n_act = sum(active)
+            self._stats["spec_steps_run"] += 1
+            self._stats["decode_steps"] += 1
+            self._stats["accepted_tokens"] += sum(counts) - n_act  # the bonus token is not a draft
+            self._stats["drafted_tokens"] += k * n_act
+        self._stats["decode_time_s"] += time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before)
+        self._stats["decode_tokens"] += sum(len(o) - 1 for o in out)
+        self._stats["tokens_generated"] += sum(min(len(o), max_new_tokens) for o in out)
+        return [o[:max_new_tokens] for o in out]
+
     @property
     def stats(self) -> dict:
+        """graph_breaks, recompiles, cuda_graph_replays, compile_time_s, decode_tokens_per_s,
+        and for spec_steps > 0: accepted_tokens (drafts accepted), acceptance_rate (accepted /
+        drafted), tokens_per_step (tokens emitted per request per speculative step)."""
         s = dict(self._stats)
         s["decode_tokens_per_s"] = s["decode_tokens"] / s["decode_time_s"] if s["decode_time_s"] else 0.0
+        s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
+        k = self.spec_steps
+        s["tokens_per_step"] = (1 + k * s["acceptance_rate"]) if s["drafted_tokens"] else 1.0
         return s
 
 
@@ -241,10 +301,13 @@ class _BucketView:
     """The first ``bucket`` rows of every cache buffer (views: writes land in the pool)."""
 
     def __init__(self, cache: StaticCache, bucket: int) -> None:
-        self.rings = cache.rings
-        self.states = []
-        for st in cache.states:
-            rows = {f.name: getattr(st, f.name)[:bucket] for f in dataclasses.fields(st) if getattr(st, f.name) is not None}
-            for t in rows.values():
-                torch._dynamo.mark_static_address(t)
-            self.states.append(dataclasses.replace(st, **rows))
+        self.rings, self.mtp_rings = cache.rings, cache.mtp_rings
+        self.states = [self._rows(st, bucket) for st in cache.states]
+        self.mtp_states = [self._rows(st, bucket) for st in cache.mtp_states]
+
+    @staticmethod
+    def _rows(st, bucket: int):
+        rows = {f.name: getattr(st, f.name)[:bucket] for f in dataclasses.fields(st) if getattr(st, f.name) is not None}
+        for t in rows.values():
+            torch._dynamo.mark_static_address(t)
+        return dataclasses.replace(st, **rows)

@@ -14,11 +14,21 @@ from .model.model import DeepseekV4ForCausalLM
 __all__ = ["from_hf", "load_pretrained"]
 
 
-def _check_load(where: str, result, extra: list[str] = ()) -> None:
-    if result.missing_keys:
-        raise ValueError(f"{where}: the checkpoint lacks {len(result.missing_keys)} parameters, "
-                         f"e.g. {result.missing_keys[:5]}")
-    unexpected = [k for k in list(result.unexpected_keys) + list(extra) if not k.startswith("mtp.")]
+def _check_load(where: str, model, result, extra: list[str] = ()) -> None:
+    """Every parameter must be loaded, except the MTP block's when the source has no MTP
+    tensors at all (HF transformers drops them); source tensors must all be used, except
+    extra MTP layers (``mtp.N`` beyond the one block we build)."""
+    missing = list(result.missing_keys)
+    mtp_missing = [k for k in missing if k.startswith("mtp.")]
+    if mtp_missing and len(mtp_missing) == sum(k.startswith("mtp.") for k in model.state_dict()):
+        missing = [k for k in missing if not k.startswith("mtp.")]  # no MTP weights in the source
+    if missing:
+        raise ValueError(f"{where}: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    ours = len(getattr(model, "mtp", []))
+    unexpected = [
+        k for k in list(result.unexpected_keys) + list(extra)
+        if not (k.startswith("mtp.") and int(k.split(".")[1]) >= ours)
+    ]
     if unexpected:
         raise ValueError(f"{where}: {len(unexpected)} checkpoint tensors have no dsv4_ops counterpart, "
                          f"e.g. {unexpected[:5]}")
@@ -29,12 +39,15 @@ def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | Non
     ``DeepseekV4ForCausalLM`` (copied; same device; big weights in ``dtype``, default the HF
     model's dtype; fp32-only parameters stay fp32).
 
-    Raises ``ValueError`` if a parameter of ours has no counterpart in the HF state dict.
+    HF transformers drops the MTP block's weights, so ``model.mtp`` keeps its initialisation
+    (speculative decoding stays exact, only acceptance suffers); ``load_pretrained`` of an
+    official checkpoint loads them. Raises ``ValueError`` if any other parameter of ours has
+    no counterpart in the HF state dict.
     """
     cfg = DSV4Config.from_hf(hf_model.config)
     ref = hf_model.get_input_embeddings().weight
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device=ref.device, max_positions=max_positions)
-    _check_load("from_hf", model.load_state_dict(hf_model.state_dict(), strict=False))
+    _check_load("from_hf", model, model.load_state_dict(hf_model.state_dict(), strict=False))
     return model.eval()
 
 
@@ -82,6 +95,9 @@ _RENAMES = [
 _RENAMES = [(re.compile(p), t) for p, t in _RENAMES]
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
 _TOP_LEVEL = ("embed_tokens.", "layers.", "norm.", "hc_head.")
+# MTP: `mtp.0.<layer names>` use the layer rules above; its own head / input tensors map here
+_MTP_OWN = re.compile(r"^(?P<prefix>mtp\.\d+\.)(?P<rest>(?:enorm|hnorm|e_proj|h_proj|norm)\.weight|hc_head_(?:fn|base|scale))$")
+_MTP_HEAD = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
 
 
 def _convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -89,11 +105,12 @@ def _convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for key, t in tensors.items():
-        if key.startswith("mtp."):
-            out[key] = t
-            continue
         name = key[len("model."):] if key.startswith("model.") else key
-        for pattern, target in _RENAMES:
+        mtp = _MTP_OWN.match(name)
+        if mtp:  # the MTP block's own tensors: enorm, hnorm, e_proj, h_proj, norm, hc_head_*
+            out[mtp["prefix"] + _MTP_HEAD.get(mtp["rest"], mtp["rest"])] = t
+            continue
+        for pattern, target in _RENAMES:  # main layers and the MTP block's decoder layer alike
             name = pattern.sub(target, name, count=1)
         m = _EXPERT.match(name)
         if m:
@@ -160,5 +177,5 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: saved once
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype, device=device, max_positions=max_positions)
-    _check_load("load_pretrained", model.load_state_dict(tensors, strict=False))
+    _check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False))
     return model.eval()

@@ -6,31 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator
-
-
-def _random_model(cfg: DSV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:
-    torch.manual_seed(seed)
-    m = DeepseekV4ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5)
-            else:
-                p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
-        for name, b in m.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape))
-            elif name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return m
+from dsv4_ops import DSV4Config, Generator
+from dsv4_ops.demo import random_model
 
 
 @pytest.fixture(scope="module")
 def setup():
     # sliding + CSA + HCA layers; small HCA rate so 64+ decode steps cross its blocks
     cfg = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
-    model = _random_model(cfg)
+    model = random_model(cfg)
     kw = dict(max_batch_size=4, max_seq_len=160, prefill_chunk=32)
     eager = Generator(model, compile=False, **kw)
     compiled = Generator(model, compile=True, cuda_graphs=False, **kw)
@@ -57,3 +41,22 @@ def test_no_recompiles_over_64_decode_steps_and_new_prompt_lengths(setup):
     assert compiled.stats["recompiles"] == 0
     assert out == eager.generate(new_prompts, max_new_tokens=70)
     assert out2 == [o[:5] for o in out[:3]]
+
+
+def test_speculative_step_compiles_once_and_stays_exact(setup):
+    """The whole speculative step (verify k+1 tokens, accept, MTP extend, k-1 MTP drafts) is one
+    fullgraph compile; >= 64 steps and new prompt lengths in the same bucket never recompile."""
+    eager, _, _, _ = setup
+    model = eager.model
+    kw = dict(max_batch_size=4, max_seq_len=160, prefill_chunk=32)
+    gen = Generator(model, spec_steps=2, compile=True, cuda_graphs=False, **kw)
+    gen.generate([[1, 2, 3], [4] * 9], max_new_tokens=3)  # warm-up: compiles spec_prefill + spec (bucket 2)
+    graphs = dict(gen._graphs)
+    assert set(graphs) == {("spec_prefill", 2), ("spec", 2)} and all(g == 1 for g in graphs.values())
+    prompts = [list(range(30, 60)), [5, 9, 2]]
+    steps_before = gen.stats["spec_steps_run"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = gen.generate(prompts, max_new_tokens=70)
+    assert gen.stats["spec_steps_run"] - steps_before >= 64  # random MTP weights: ~1 token per step
+    assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
+    assert out == eager.generate(prompts, max_new_tokens=70)

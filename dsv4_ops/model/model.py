@@ -62,11 +62,10 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: DSV4Config, max_positions: int) -> None:
+    def __init__(self, cfg: DSV4Config, rope: dict[str, tuple[Tensor, Tensor]]) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = _rope(cfg, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
@@ -106,9 +105,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "supported (only 'sqrtsoftplus', as DeepSeek-V4 ships)")
         self.config = config
         max_positions = max_positions or min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
+        from .mtp import MTPBlock  # imports DecoderLayer from this module
+
         with torch.device(device or "cpu"):
-            self.model = DeepseekV4Model(config, max_positions)
+            rope = _rope(config, max_positions)
+            self.model = DeepseekV4Model(config, rope)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            # the MTP (NextN) drafter: `mtp.0.*`, used by Generator(spec_steps=k)
+            self.mtp = nn.ModuleList(MTPBlock(config, rope) for _ in range(min(config.num_nextn_predict_layers, 1)))
         _cast_non_fp32_params(self, dtype)
 
     # ------------------------------------------------------------------ helpers
@@ -129,7 +133,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if n == self.max_positions:
             return
         rope = _rope(self.config, n, self.device)
-        for layer in self.model.layers:
+        for layer in [*self.model.layers, *self.mtp]:
             attn = layer.self_attn
             attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
 

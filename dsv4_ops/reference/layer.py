@@ -38,7 +38,7 @@ from ..config import CSA, HCA, SLIDING, DSV4Config
 from . import ops
 from .rope import rope_tables
 
-__all__ = ["ReferenceAttention", "AttentionState", "StepPlan", "RingSizes", "ring_sizes", "plan_step"]
+__all__ = ["ReferenceAttention", "AttentionState", "StepPlan", "RingSizes", "ring_sizes", "plan_step", "plan_steps"]
 
 
 # --------------------------------------------------------------------------------------
@@ -81,6 +81,38 @@ class StepPlan(NamedTuple):
     hca_write: Tensor
 
 
+def plan_steps(
+    cfg: DSV4Config,
+    lengths: Tensor,
+    n_new: Tensor,
+    num_tokens: int,
+    rings: RingSizes,
+    steps: int = 1,
+    concat: bool | None = None,
+    kernels=ops,
+) -> list[StepPlan]:
+    """ONE ``plan`` call for ``steps`` consecutive sub-steps (sub-step ``i`` starts at
+    ``lengths + i * n_new``), split into one ``StepPlan`` per sub-step. ``concat=None``:
+    concat mode iff ``num_tokens > 1``. ``kernels``: where ``plan`` comes from
+    (``reference.ops`` or the registered ``dsv4_ops.ops``)."""
+    if concat is None:
+        concat = num_tokens > 1
+    if not concat and rings.window < cfg.sliding_window + num_tokens - 1:
+        raise ValueError(
+            f"ring mode with {num_tokens} tokens needs a window ring of >= "
+            f"{cfg.sliding_window + num_tokens - 1} slots, have {rings.window}"
+        )
+    out = kernels.plan(
+        lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
+        cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca,
+    )  # fmt: skip
+    lengths = lengths.to(torch.int32)
+    return [
+        StepPlan(lengths + i * n_new.to(torch.int32), *(t[i] for t in out[:3]), concat, *(t[i] for t in out[3:]))
+        for i in range(steps)
+    ]
+
+
 def plan_step(
     cfg: DSV4Config,
     lengths: Tensor,
@@ -90,21 +122,8 @@ def plan_step(
     concat: bool | None = None,
     kernels=ops,
 ) -> StepPlan:
-    """Plan one step for every layer. ``concat=None``: concat mode iff ``num_tokens > 1``.
-    ``kernels``: where ``plan`` comes from (``reference.ops`` or the registered ``dsv4_ops.ops``)."""
-    if concat is None:
-        concat = num_tokens > 1
-    if not concat and rings.window < cfg.sliding_window + num_tokens - 1:
-        raise ValueError(
-            f"ring mode with {num_tokens} tokens needs a window ring of >= "
-            f"{cfg.sliding_window + num_tokens - 1} slots, have {rings.window}"
-        )
-    out = kernels.plan(
-        lengths, n_new, num_tokens, 1, cfg.sliding_window, rings.window, concat,
-        cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca,
-    )  # fmt: skip
-    pos, ww, wi, cl, ce, cw, hl, he, hw = (t[0] for t in out)
-    return StepPlan(lengths.to(torch.int32), pos, ww, wi, concat, cl, ce, cw, hl, he, hw)
+    """Plan one step for every layer (``plan_steps`` with ``steps=1``)."""
+    return plan_steps(cfg, lengths, n_new, num_tokens, rings, 1, concat, kernels)[0]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Multi-step MTP speculative decoding as ONE tensor program per step (no host syncs, no
+data-dependent shapes), so it compiles with ``fullgraph=True`` and replays as one CUDA graph.
+
+Per request the state is its length ``L`` (tokens the main model has processed), the next
+token ``last`` (position ``L``, known but not yet processed), the main model's final streams
+at position ``L-1`` (``h_last``) and ``k`` drafts for positions ``L+1 .. L+k``. One step:
+
+1. verify  — the main model runs ``[last, d_1..d_k]`` at positions ``L..L+k``; greedy tokens
+   ``g_0..g_k``; ``a`` = length of the prefix with ``d_{j+1} == g_j``; the step emits
+   ``d_1..d_a, g_a`` (``a + 1`` tokens) and the new length is ``L' = L + a + 1``.
+2. extend  — the MTP block runs positions ``L-1 .. L+a`` (``a + 2`` tokens): at position ``t``
+   it pairs the main streams at ``t`` with the token at ``t+1``, so its window cache holds
+   entries made from the main model's states; its output at ``L+a`` drafts ``d'_1`` (``L'+1``).
+3. draft   — ``k-1`` more MTP steps at positions ``L'.. L'+k-2``, each feeding its own output
+   streams and the previous draft, drafting ``d'_2 .. d'_k``.
+
+Rejection needs no rollback (DESIGN.md rule 3): everything is addressed by absolute position
+and ``L`` only advances by the accepted count; slots written for rejected positions are
+rewritten before any query can see them. The ``k-1`` draft steps take their metadata from ONE
+``plan`` call with ``steps=k-1`` and the loop runs exactly ``len(plans)`` times — the number of
+planned and executed steps is one constant (the off-by-one class of bugs in
+dsv4_serving_engines.md §5.2 cannot happen). Extend and verify have their own plan calls.
+
+``draft="oracle"`` (tests only) drafts with the main model itself (k greedy decode steps), so
+drafts always equal the main model's greedy tokens (full acceptance); ``wrong_rows`` then turns
+a row's drafts into ``(g + 1) % vocab`` (zero acceptance).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .reference.layer import plan_step, plan_steps
+
+
+class SpecDecoding:
+    """The speculative state and step functions of a ``Generator`` with ``spec_steps=k``."""
+
+    def __init__(self, gen, k: int, draft: str = "mtp") -> None:
+        if draft not in ("mtp", "oracle"):
+            raise ValueError(f"draft must be 'mtp' or 'oracle' (tests), got {draft!r}")
+        model = gen.model
+        if draft == "mtp" and len(model.mtp) == 0:
+            raise ValueError("spec_steps > 0 needs the model's MTP block (config.num_nextn_predict_layers >= 1)")
+        self.gen, self.model, self.k, self.draft = gen, model, k, draft
+        B, dev = gen.max_batch_size, gen.device
+        N, D = model.config.hc_mult, model.config.hidden_size
+        self.last_tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        self.h_last = torch.zeros(B, N, D, dtype=model.dtype, device=dev)
+        self.wrong_rows = torch.zeros(B, dtype=torch.bool, device=dev)  # oracle drafting only
+        for t in (self.last_tok, self.drafts, self.h_last, self.wrong_rows):
+            torch._dynamo.mark_static_address(t)
+        self.record: list | None = None  # eager-mode metadata log for tests (None = off)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_step(self, ids: Tensor, next_ids: Tensor, n_new: Tensor, n_mtp: Tensor) -> Tensor:
+        """One prefill chunk for the main model AND the MTP window.
+
+        ids ``[Bk, C]`` at positions ``lengths..``; ``next_ids [Bk, C]`` the token after each
+        one; ``n_mtp`` = how many of them have a known next token (not the prompt's last)."""
+        gen, model = self.gen, self.model
+        Bk, C = ids.shape
+        view, lengths = gen._views[Bk], gen.lengths[:Bk]
+        streams = model.hidden_streams(ids, view, lengths, n_new)  # [Bk, C, N, D]
+        meta = plan_step(model.config, lengths, n_mtp, C, view.mtp_rings, kernels=ops)
+        if self.draft == "mtp":
+            blk = model.mtp[0]
+            blk(streams, model.model.embed_tokens(next_ids), view.mtp_states[0], lengths, n_mtp, meta, next_ids)
+        last = (n_new.long() - 1).clamp(min=0)
+        picked = streams[torch.arange(Bk, device=ids.device), last]  # [Bk, N, D]
+        h = self.h_last[:Bk]
+        h.copy_(torch.where((n_new > 0)[:, None, None], picked, h))
+        lengths.add_(n_new)
+        return model.logits(picked[:, None])[:, 0]
+
+    def start(self, first: Tensor) -> None:
+        """After prefill: ``first [B]`` (greedy token at each prompt's end) is the next token;
+        the first drafts are placeholders, which verify simply rejects."""
+        B = first.shape[0]
+        self.last_tok[:B].copy_(first)
+        self.drafts[:B].copy_(first[:, None].expand(B, self.k))
+
+    # ------------------------------------------------------------------ the step
+    def step(self, active: Tensor) -> tuple[Tensor, Tensor]:
+        """active ``[Bk] int32`` (1 = this row generates) -> (tokens ``[Bk, k+1]`` with ``-1``
+        after each row's emitted ones, counts ``[Bk]``)."""
+        gen, model, k = self.gen, self.model, self.k
+        Bk = active.shape[0]
+        view, L = gen._views[Bk], gen.lengths[:Bk]
+        last, drafts, h_last = self.last_tok[:Bk], self.drafts[:Bk], self.h_last[:Bk]
+        rows = torch.arange(Bk, device=active.device)
+
+        # 1. verify [last, d_1..d_k] at positions L..L+k
+        ids = torch.cat([last[:, None], drafts], dim=1)  # [Bk, k+1]
+        n_verify = active * (k + 1)
+        X = model.hidden_streams(ids, view, L, n_verify)  # [Bk, k+1, N, D]
+        g = model.logits(X).argmax(-1)  # [Bk, k+1]
+        a = (drafts == g[:, :k]).to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)  # accepted drafts
+        bonus = g[rows, a]
+        j = torch.arange(k + 1, device=active.device)
+        padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+        tokens = torch.where(j < a[:, None], padded, torch.where(j == a[:, None], bonus[:, None], -1))
+        count = active * (a + 1)
+        tokens = torch.where(active[:, None] > 0, tokens, -1)
+        new_len = L + count
+
+        # 2.+3. the next drafts
+        if self.draft == "mtp":
+            new_drafts = self._mtp_drafts(view, L, new_len, active, a, last, drafts, bonus, X, h_last)
+        else:
+            new_drafts = self._oracle_drafts(view, new_len, active, bonus)
+
+        # commit (inactive rows keep everything)
+        act = active > 0
+        h_last.copy_(torch.where(act[:, None, None], X[rows, a], h_last))
+        last.copy_(torch.where(act, bonus, last))
+        drafts.copy_(torch.where(act[:, None], new_drafts, drafts))
+        L.copy_(new_len)
+        return tokens, count
+
+    def _mtp_drafts(self, view, L, new_len, active, a, last, drafts, bonus, X, h_last) -> Tensor:
+        model, k, blk = self.model, self.k, self.model.mtp[0]
+        cfg, Bk = model.config, active.shape[0]
+        rows = torch.arange(Bk, device=active.device)
+        # extend: positions L-1 .. L+a; streams at t, token at t+1
+        streams = torch.cat([h_last[:, None], X], dim=1)  # [Bk, k+2, N, D]
+        toks = torch.cat([last[:, None], drafts, torch.zeros_like(last)[:, None]], dim=1)
+        toks = toks.scatter(1, (a + 1)[:, None].long(), bonus[:, None])
+        n_ext = active * (a + 2)
+        start = L - 1
+        meta = plan_step(cfg, start, n_ext, k + 2, view.mtp_rings, concat=False, kernels=ops)
+        self._log("extend", meta, n_ext)
+        Y = blk(streams, model.model.embed_tokens(toks), view.mtp_states[0], start, n_ext, meta, toks)
+        y = Y[rows, a + 1][:, None]  # output at position L+a: drafts position L'+1
+        d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
+        out = [d]
+        if k > 1:
+            plans = plan_steps(cfg, new_len, active, 1, view.mtp_rings, steps=k - 1, concat=False, kernels=ops)
+            for meta in plans:  # draft i+1 at position L' + i: exactly len(plans) == k-1 steps
+                self._log("draft", meta, active)
+                y = blk(y, model.model.embed_tokens(d[:, None]), view.mtp_states[0], meta.start, active, meta, d[:, None])
+                d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
+                out.append(d)
+        return torch.stack(out, dim=1)
+
+    def _oracle_drafts(self, view, new_len, active, bonus) -> Tensor:
+        model, k = self.model, self.k
+        plans = plan_steps(model.config, new_len, active, 1, view.rings, steps=k, concat=False, kernels=ops)
+        d, out = bonus, []
+        for meta in plans:  # greedy main-model decode from position L'
+            self._log("draft", meta, active)
+            d = model.step(d[:, None], view, meta.start, active, meta)[:, 0].argmax(-1)
+            out.append(d)
+        drafts = torch.stack(out, dim=1)
+        wrong = self.wrong_rows[: active.shape[0], None]
+        return torch.where(wrong, (drafts + 1) % model.config.vocab_size, drafts)
+
+    def _log(self, kind: str, meta, n_new: Tensor) -> None:
+        if self.record is not None and not torch.compiler.is_compiling():
+            self.record.append((kind, meta.start.clone(), n_new.clone(), meta.positions.clone(),
+                                meta.win_write.clone(), meta.win_idx.clone()))
