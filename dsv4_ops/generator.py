@@ -53,8 +53,10 @@ class Generator:
                  _draft: str = "mtp") -> None:
         if not isinstance(spec_steps, int) or spec_steps < 0:
             raise ValueError(f"spec_steps must be an int >= 0, got {spec_steps!r}")
-        if max_batch_size < 1 or max_seq_len < 1:
-            raise ValueError(f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model = model.eval()

@@ -158,8 +158,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     built. ``dtype`` defaults to the config's dtype (fp32 if unset); fp32-only parameters
     stay fp32. FP8-quantised checkpoints are not supported.
 
-    Raises ``ValueError`` when a parameter is missing or a tensor has no counterpart (MTP
-    tensors, ``mtp.*``, are ignored).
+    MTP tensors (``mtp.0.*``, DeepSeek or dsv4_ops names; see ``model/mtp.py`` for the
+    mapping) load into ``model.mtp``; a checkpoint without any keeps the MTP block's
+    initialisation, extra MTP layers (``mtp.1.*`` ...) are ignored. Raises ``ValueError`` when
+    any other parameter is missing or a tensor has no counterpart.
     """
     from transformers import DeepseekV4Config
 

@@ -10,9 +10,14 @@ The backend is chosen ONCE, at import (DESIGN.md rule 6), never inside a traced 
 Default: ``triton`` when a GPU is visible, else ``reference``. Override with the environment
 variable ``DSV4_OPS_BACKEND=reference`` (or ``triton``), read once when dsv4_ops is imported.
 CPU tensors always take the reference path.
+
+Every op body (a ``torch.library.triton_op``) branches on :func:`use_triton` with the device
+TYPE of an input tensor: a static fact of the traced graph, so the branch is resolved while
+tracing and Inductor sees either the Triton kernels or the plain-aten reference.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -33,3 +38,15 @@ def select_backend(env_value: str | None, gpu_available: bool) -> str:
 
 
 BACKEND = select_backend(os.environ.get(BACKEND_ENV), torch.cuda.is_available())
+
+
+def use_triton(device_type: str) -> bool:
+    """The static device branch of every op: Triton kernels for CUDA (and ROCm, which also
+    reports ``"cuda"``) tensors when the backend is ``triton``; the reference otherwise."""
+    return device_type == "cuda" and BACKEND == "triton"
+
+
+def triton_module(name: str):
+    """The launcher module ``lowering/triton/<name>.py``, imported on first use, so that
+    importing dsv4_ops never imports Triton on its own."""
+    return importlib.import_module(f"{__name__}.triton.{name}")

@@ -1,6 +1,14 @@
-"""The backend is chosen once at import from the environment and the visible devices."""
-import pytest
+"""The backend is chosen once at import from the environment and the visible devices, and every
+op body honours it: CUDA tensors take the Triton launchers only when the backend is ``triton``."""
+import sys
+import types
 
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dsv4_ops  # noqa: F401  (registers the ops)
+from dsv4_ops import lowering
 from dsv4_ops.lowering import BACKEND, select_backend
 
 
@@ -22,3 +30,113 @@ def test_bad_env_value_names_the_variable():
 
 def test_this_process_resolved_a_valid_backend():
     assert BACKEND in ("triton", "reference")
+
+
+# --------------------------------------------------------------------------------------
+# the ops honour the selection: the static device branch of every op body
+# --------------------------------------------------------------------------------------
+
+
+def test_use_triton_only_for_cuda_tensors_with_the_triton_backend(monkeypatch):
+    monkeypatch.setattr(lowering, "BACKEND", "triton")
+    assert lowering.use_triton("cuda") and not lowering.use_triton("cpu") and not lowering.use_triton("meta")
+    monkeypatch.setattr(lowering, "BACKEND", "reference")
+    assert not lowering.use_triton("cuda") and not lowering.use_triton("cpu")
+
+
+OP_MODULES = ("plan", "cache_write", "compressor", "indexer", "attention")  # dsv4_ops/ops/<module>.py
+
+
+def _plan_shapes(lengths, n_new, S, steps, W, win_ring, win_concat, csa_m, csa_ring, hca_m, hca_ring):
+    B = lengths.shape[0]
+    return [(steps, B, S)] * 2 + [(steps, B, S, W)] + [
+        s for m in (csa_m, hca_m) for s in ((steps, B, S), (steps, B, -(-S // m)), (steps, B, S))]
+
+
+# op -> output of the right shape (no math: the point is which branch runs)
+RESULTS = {
+    "plan": lambda *a: tuple(a[0].new_empty(s, dtype=torch.int32) for s in _plan_shapes(*a)),
+    "cache_write": lambda *a: None,
+    "compress": lambda *a: None,
+    "indexer_topk": lambda q, w, k, v, topk: q.new_empty((*v.shape, topk), dtype=torch.int32),
+    "sparse_attention": lambda q, *a: q.new_empty(q.shape),
+}
+LAUNCHER_MODULES = {"plan": "plan", "cache_write": "cache_write", "compress": "compress", "indexer": "indexer_topk",
+                    "sparse_attention": "sparse_attention"}  # lowering/triton/<module>.py -> launcher
+
+
+class Spy:
+    """Records which branch each op body takes: ``launchers`` stands in for
+    ``lowering.triton_module`` (records the launcher and its ``wrap`` flag), ``reference`` for the
+    ops' ``ref`` module. Both return outputs of the right shape, so no kernel and no GPU is needed
+    (and the reference never builds CUDA tensors on a CPU-only torch)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+
+        def recorder(kind, name):
+            def fn(*args, wrap=False, **kw):
+                self.calls.append((kind, name, wrap))
+                return RESULTS[name](*args)
+            return fn
+
+        self.reference = types.SimpleNamespace(**{n: recorder("reference", n) for n in RESULTS})
+        monkeypatch.setattr(lowering, "triton_module",
+                            lambda module: types.SimpleNamespace(**{LAUNCHER_MODULES[module]: recorder(
+                                "triton", LAUNCHER_MODULES[module])}))
+        for module in OP_MODULES:
+            monkeypatch.setattr(sys.modules[f"dsv4_ops.ops.{module}"], "ref", self.reference)
+
+    def branches(self):
+        return {kind for kind, _, _ in self.calls}, sorted(name for _, name, _ in self.calls)
+
+
+def call_every_op(device):
+    """Each torch.ops.dsv4 op once, on tensors of ``device`` (fake CUDA tensors need no GPU)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    B, S, H, D, d = 2, 4, 2, 8, 8
+    p = torch.ops.dsv4.plan(torch.zeros(B, **i32), torch.ones(B, **i32), S, 1, 2, 8, False, 4, 8, 8, 8)
+    assert [tuple(t.shape) for t in p] == [(1, B, S)] * 2 + [(1, B, S, 2), (1, B, S), (1, B, 1), (1, B, S),
+                                                                 (1, B, S), (1, B, 1), (1, B, S)]
+    cache = torch.zeros(B, 8, d, device=device)
+    torch.ops.dsv4.cache_write(cache, torch.ones(B, S, d, device=device), torch.zeros(B, S, **i32))
+    ring = torch.zeros(B, 8, 2 * d, device=device)
+    new = torch.ones(B, S, 2 * d, device=device)
+    torch.ops.dsv4.compress(ring, ring, new, new, torch.zeros(B, **i32), torch.zeros(B, 1, **i32),
+                            torch.ones(d, device=device), torch.ones(16, 2, device=device),
+                            torch.zeros(16, 2, device=device), cache, 4, True, 1e-6)
+    q = torch.ones(B, S, H, D, device=device)
+    picked = torch.ops.dsv4.indexer_topk(q, torch.ones(B, S, H, device=device), torch.ones(B, 8, D, device=device),
+                                         torch.full((B, S), 3, **i32), 2)
+    assert picked.shape == (B, S, 2) and picked.dtype == torch.int32
+    out = torch.ops.dsv4.sparse_attention(q, torch.ones(B, 8, D, device=device), torch.zeros(B, S, 2, **i32),
+                                          torch.ones(B, 8, D, device=device), picked, torch.zeros(B, S, **i32),
+                                          torch.zeros(H, device=device), 0.5)
+    assert out.shape == q.shape and out.device.type == torch.device(device).type
+
+
+EVERY_OP = sorted(RESULTS)
+
+
+def test_cuda_tensors_take_the_triton_launchers_when_the_backend_is_triton(monkeypatch):
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(lowering, "BACKEND", "triton")
+    with FakeTensorMode():  # fake CUDA tensors: the op bodies run (they are also the fakes)
+        call_every_op("cuda")
+    assert spy.branches() == ({"triton"}, EVERY_OP)
+    assert all(wrap for _, _, wrap in spy.calls), "launchers must go through wrap_triton inside the ops"
+
+
+def test_backend_reference_keeps_cuda_tensors_on_the_reference(monkeypatch):
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(lowering, "BACKEND", "reference")
+    with FakeTensorMode():
+        call_every_op("cuda")
+    assert spy.branches() == ({"reference"}, EVERY_OP)
+
+
+def test_cpu_tensors_take_the_reference_whatever_the_backend(monkeypatch):
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(lowering, "BACKEND", "triton")
+    call_every_op("cpu")
+    assert spy.branches() == ({"reference"}, EVERY_OP)

@@ -37,3 +37,27 @@ def test_cuda_graph_tokens_equal_eager_zero_skips():
     assert gen.stats["cuda_graph_replays"] >= 69
     assert out == want
     assert other == want_other
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_step_replays_as_one_cuda_graph(k):
+    """The whole speculative step (verify, accept, MTP extend, k-1 drafts) is one compiled
+    graph replayed as a CUDA graph: zero skips, no recompiles, exactly the greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
+    model = random_model(cfg, dtype=torch.float32, device="cuda")
+    kw = dict(max_batch_size=4, max_seq_len=192, prefill_chunk=32)
+    prompts = [[3, 1, 4, 1, 5], list(range(40)), [7] * 17]
+    want = Generator(model, compile=False, **kw).generate(prompts, max_new_tokens=70)
+    gen = Generator(model, compile=True, cuda_graphs=True, spec_steps=k, **kw)
+    counters.clear()
+    gen.generate(prompts, max_new_tokens=3)
+    graphs = dict(gen._graphs)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = gen.generate(prompts, max_new_tokens=70)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
+    assert gen.stats["cuda_graph_replays"] >= 64
+    assert out == want

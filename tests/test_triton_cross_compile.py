@@ -31,7 +31,10 @@ def _launches(backend: str):
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from lowering.triton import cache_write as cw
+    from lowering.triton import compress as cp
     from lowering.triton import indexer as ix
+    from lowering.triton import plan as pl
     from lowering.triton import sparse_attention as sa
 
     recorded = []
@@ -39,7 +42,7 @@ def _launches(backend: str):
     def record(kernel, grid, *args, wrap=False, **meta):
         recorded.append((kernel, args, meta))
 
-    sa.launch = ix.launch = record
+    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = record
     meta_dev = torch.device("meta")
 
     def attention(name, B, heads, dim, dtype, num_splits=None):
@@ -69,6 +72,33 @@ def _launches(backend: str):
         ix.indexer_topk(q, w, keys, vis, topk)
         names = ["indexer_scores", f"topk_{topk}"]
         out += [(n,) + r for n, r in zip(names, recorded[start:]) if not (topk == 1024 and n == "indexer_scores")]
+
+    def one(name, launcher, *args, **kw):
+        start = len(recorded)
+        launcher(*args, **kw)
+        assert len(recorded) == start + 1, name
+        out.append((name,) + recorded[-1])
+
+    i32 = dict(dtype=torch.int32, device=meta_dev)
+    bf16 = dict(dtype=torch.bfloat16, device=meta_dev)
+    f32 = dict(dtype=torch.float32, device=meta_dev)
+    # plan: decode (ring mode, one query slot) and a long concat-mode prefill chunk
+    lengths, n_new = torch.empty(B_DECODE, **i32), torch.empty(B_DECODE, **i32)
+    one("plan_decode", pl.plan, lengths, n_new, 1, 1, W, RING, False, 4, 16, 128, 136)
+    one("plan_prefill", pl.plan, lengths[:4], n_new[:4], 8192, 1, W, RING, True, 4, 16, 128, 136)
+    # cache writes: window ring rows (d = 512), CSA compressor rows (2 x 512), indexer rows (2 x 128)
+    for name, C in (("cache_write_window", D), ("cache_write_csa_ring", 2 * D), ("cache_write_indexer_ring", 2 * DI)):
+        one(name, cw.cache_write, torch.empty(B_DECODE, RING, C, **bf16), torch.empty(B_DECODE, 1, C, **bf16),
+            torch.empty(B_DECODE, 1, **i32))
+    # compressor emission: CSA (m = 4, overlap), HCA (m = 128), indexer keys (d = 128, m = 4, overlap)
+    for name, d, m, overlap in (("compress_csa", D, 4, True), ("compress_hca", D, 128, False),
+                                ("compress_indexer", DI, 4, True)):
+        c = 2 if overlap else 1
+        ring = torch.empty(B_DECODE, c * m + 8, c * d, **bf16)
+        new = torch.empty(B_DECODE, 1, c * d, **bf16)
+        one(name, cp.compress, ring, ring, new, new, torch.empty(B_DECODE, **i32), torch.empty(B_DECODE, 1, **i32),
+            torch.empty(d, **f32), torch.empty(65536, 32, **f32), torch.empty(65536, 32, **f32),
+            torch.empty(B_DECODE, N_POOL, d, **bf16), m, overlap, 1e-6)
     return out
 
 
@@ -168,7 +198,9 @@ def compiled():
 
 
 KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combine",
-           "attention_tiny_fp32", "indexer_scores", "topk_512", "topk_1024"]
+           "attention_tiny_fp32", "indexer_scores", "topk_512", "topk_1024",
+           "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
+           "compress_csa", "compress_hca", "compress_indexer"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -194,6 +226,26 @@ def test_decode_attention_does_not_spill(compiled, target):
                 assert res["wgmma"] > 0, res  # Hopper tensor-core path
         else:
             assert res["vgpr_spill_count"] == 0, res
+
+
+# attention_tiny_fp32 (a test-only D=64 fp32 config, never picked at V4 shapes) keeps 8 bytes
+# of stack on sm_90 (two STL/LDL of loop-invariant scalars); every V4-shaped kernel has none.
+KNOWN_SPILLS = {("sm90", "attention_tiny_fp32")}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_kernel_does_not_spill(compiled, target, kernel):
+    """Every kernel at its V4 launch config keeps its state in registers (no scratch / stack)."""
+    if (target, kernel) in KNOWN_SPILLS:
+        pytest.skip("known 8-byte stack frame of the test-only fp32 config")
+    res = compiled[(target, kernel)]["resources"]
+    if target == "sm90":
+        if res:  # cuobjdump ships in Triton's wheel; absent -> nothing to check
+            assert res["stack_bytes"] == 0, res
+    else:
+        assert res["vgpr_spill_count"] == 0 and res["sgpr_spill_count"] == 0, res
+        assert res["private_segment_fixed_size"] == 0, res
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The ``torch.ops.dsv4`` operators: importing this package registers every op.
 
-One module per op family (schema, fake, default implementation, validated public wrapper).
+One module per op family: a ``torch.library.triton_op`` (schema from type hints; its body is
+also its fake) with a static device branch -- Triton kernels for CUDA/ROCm tensors when the
+backend is ``triton``, the plain-aten reference otherwise (see ``_backend.py``) -- and the
+validated public wrapper.
 """
 from .attention import sparse_attention
 from .cache_write import cache_write

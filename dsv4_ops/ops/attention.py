@@ -3,20 +3,15 @@ import torch
 from torch import Tensor
 
 from ..reference import ops as ref
-from ..lowering import BACKEND
 from . import _validate as v
+from ._backend import key_kernels, launchers, use_triton
 
 
-@torch.library.custom_op("dsv4::sparse_attention", mutates_args=())
+@torch.library.triton_op("dsv4::sparse_attention", mutates_args=())
 def _sparse_attention(
     q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
 ) -> Tensor:
-    # Default implementation for every device: the reference (plain aten).
-    return ref.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale).contiguous()
-
-
-@_sparse_attention.register_fake
-def _sparse_attention_fake(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
+    # Also the fake: shape checks, then a static device branch (see _backend.py).
     torch._check(q.dim() == 4 and kv.dim() == 3 and cmp.dim() == 3,
                  lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D]")
     torch._check(kv_idx.dim() == 3 and cmp_idx.dim() == 3 and cmp_len.dim() == 2 and sink.dim() == 1,
@@ -24,7 +19,13 @@ def _sparse_attention_fake(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
     torch._check(kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
     torch._check(cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
-    return q.new_empty(q.shape)
+    if use_triton(q):
+        return launchers("sparse_attention").sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale,
+                                                              wrap=True)
+    return ref.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale).contiguous()
+
+
+key_kernels("dsv4::sparse_attention", "sparse_attention", ("sparse_attention_kernel", "combine_kernel"))
 
 
 def sparse_attention(
@@ -81,14 +82,3 @@ def sparse_attention(
         v.in_range(op, "cmp_len", cmp_len, 0, cmp.shape[1], f"cmp entries Nc={cmp.shape[1]}")
     return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
 
-
-# CUDA (and ROCm) kernel, chosen once at import (DESIGN rule 6): the Triton launcher, unless
-# DSV4_OPS_BACKEND=reference. Registered as the op's CUDA kernel, so under torch.compile it is
-# an opaque call (the triton_op form that lets Inductor see into it is tracked in issue 5).
-if BACKEND == "triton":
-
-    @_sparse_attention.register_kernel("cuda")
-    def _sparse_attention_cuda(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
-        from ..lowering.triton.sparse_attention import sparse_attention as launch
-
-        return launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)

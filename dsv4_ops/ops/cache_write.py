@@ -4,23 +4,25 @@ from torch import Tensor
 
 from ..reference import ops as ref
 from . import _validate as v
+from ._backend import key_kernels, launchers, use_triton
 
 
-@torch.library.custom_op("dsv4::cache_write", mutates_args=("cache",))
+@torch.library.triton_op("dsv4::cache_write", mutates_args=("cache",))
 def _cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
-    # Default implementation for every device: the reference (plain aten).
-    ref.cache_write(cache, values, slots)
-
-
-@_cache_write.register_fake
-def _cache_write_fake(cache, values, slots):
+    # Also the fake: shape checks, then a static device branch (see _backend.py).
     torch._check(cache.dim() == 3 and values.dim() == 3 and slots.dim() == 2,
                  lambda: "cache_write: cache [B, N, C], values [B, S, C], slots [B, S]")
     torch._check(values.shape[0] == cache.shape[0] and slots.shape[0] == cache.shape[0],
                  lambda: "cache_write: B of values/slots must match cache")
     torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
     torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
-    return None
+    if use_triton(cache):
+        launchers("cache_write").cache_write(cache, values, slots, wrap=True)
+    else:
+        ref.cache_write(cache, values, slots)
+
+
+key_kernels("dsv4::cache_write", "cache_write", ("cache_write_kernel",))
 
 
 def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:

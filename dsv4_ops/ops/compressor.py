@@ -4,20 +4,16 @@ from torch import Tensor
 
 from ..reference import ops as ref
 from . import _validate as v
+from ._backend import key_kernels, launchers, use_triton
 
 
-@torch.library.custom_op("dsv4::compress", mutates_args=("pool",))
+@torch.library.triton_op("dsv4::compress", mutates_args=("pool",))
 def _compress(
     ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
     norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
 ) -> None:
-    # Default implementation for every device: the reference (plain aten).
-    ref.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps)
-
-
-@_compress.register_fake
-def _compress_fake(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap,
-                   eps):
+    # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
+    # one fused kernel (softmax pooling + RMSNorm + RoPE + pool write) per emitted block.
     torch._check(pool.dim() == 3 and ring_kv.dim() == 3 and new_kv.dim() == 3 and emit.dim() == 2,
                  lambda: "compress: ring/new/pool must be 3-d and emit [B, E]")
     d = pool.shape[-1]
@@ -26,7 +22,14 @@ def _compress_fake(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weigh
     torch._check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
     torch._check(2 * cos.shape[-1] <= d, lambda: "compress: rope dims 2*cos.shape[-1] exceed d")
     torch._check(ratio > 0, lambda: "compress: ratio must be > 0")
-    return None
+    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps)
+    if use_triton(pool):
+        launchers("compress").compress(*args, wrap=True)
+    else:
+        ref.compress(*args)
+
+
+key_kernels("dsv4::compress", "compress", ("compress_kernel",))
 
 
 def compress(

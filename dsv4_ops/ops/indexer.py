@@ -3,25 +3,26 @@ import torch
 from torch import Tensor
 
 from ..reference import ops as ref
-from ..lowering import BACKEND
 from . import _validate as v
+from ._backend import key_kernels, launchers, use_triton
 
 
-@torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
+@torch.library.triton_op("dsv4::indexer_topk", mutates_args=())
 def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
-    # Default implementation for every device: the reference (plain aten).
-    return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
-
-
-@_indexer_topk.register_fake
-def _indexer_topk_fake(q, weights, keys, visible, topk):
+    # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
+    # Triton scores + radix top-k (same tie rule as the reference).
     torch._check(q.dim() == 4 and weights.dim() == 3 and keys.dim() == 3 and visible.dim() == 2,
                  lambda: "indexer_topk: q [B, S, HI, DI], weights [B, S, HI], keys [B, N, DI], visible [B, S]")
     torch._check(keys.shape[-1] == q.shape[-1], lambda: "indexer_topk: DI of keys and q differ")
     torch._check(visible.shape[0] == q.shape[0], lambda: "indexer_topk: B of visible and q differ")
     torch._check(visible.shape[1] == q.shape[1], lambda: "indexer_topk: S of visible and q differ")
     torch._check(topk >= 1, lambda: "indexer_topk: topk must be >= 1")
-    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
+    if use_triton(q):
+        return launchers("indexer").indexer_topk(q, weights, keys, visible, topk, wrap=True)
+    return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
+
+
+key_kernels("dsv4::indexer_topk", "indexer", ("indexer_scores_kernel", "topk_kernel"))
 
 
 def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
@@ -65,13 +66,3 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
         v.in_range(op, "visible", visible, 0, N, f"keys entries N={N}")
     return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk)
 
-
-# CUDA (and ROCm) kernel, chosen once at import: the Triton scores + radix top-k launcher
-# (same tie rule as the reference), unless DSV4_OPS_BACKEND=reference.
-if BACKEND == "triton":
-
-    @_indexer_topk.register_kernel("cuda")
-    def _indexer_topk_cuda(q, weights, keys, visible, topk):
-        from ..lowering.triton.indexer import indexer_topk as launch
-
-        return launch(q, weights, keys, visible, topk)

@@ -6,34 +6,28 @@ from torch import Tensor
 
 from ..reference import ops as ref
 from . import _validate as v
+from ._backend import key_kernels, launchers, use_triton
 
-@torch.library.custom_op("dsv4::plan", mutates_args=())
+
+@torch.library.triton_op("dsv4::plan", mutates_args=())
 def _plan(
     lengths: Tensor, n_new: Tensor, num_tokens: int, steps: int, window: int, win_ring: int, win_concat: bool,
     csa_ratio: int, csa_ring: int, hca_ratio: int, hca_ring: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # Default implementation for every device: the reference (plain aten).
-    outs = ref.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
-                    csa_ratio, csa_ring, hca_ratio, hca_ring)
-    return tuple(t.contiguous() for t in outs)
-
-
-@_plan.register_fake
-def _plan_fake(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
-               csa_ratio, csa_ring, hca_ratio, hca_ring):
+    # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
+    # all nine tensors from one Triton launch.
     torch._check(lengths.dim() == 1, lambda: f"plan: lengths must be [B], got {lengths.dim()}-d")
     torch._check(n_new.dim() == 1, lambda: f"plan: n_new must be [B], got {n_new.dim()}-d")
     torch._check(n_new.shape[0] == lengths.shape[0], lambda: "plan: n_new and lengths must have the same B")
     torch._check(csa_ratio > 0 and hca_ratio > 0, lambda: "plan: ratios must be > 0")
-    B, S = lengths.shape[0], num_tokens
+    args = (lengths, n_new, num_tokens, steps, window, win_ring, win_concat, csa_ratio, csa_ring, hca_ratio,
+            hca_ring)
+    if use_triton(lengths):
+        return tuple(launchers("plan").plan(*args, wrap=True))
+    return tuple(t.contiguous() for t in ref.plan(*args))
 
-    def new(*shape):
-        return lengths.new_empty(shape, dtype=torch.int32)
 
-    def per_rate(m):  # *_len, *_emit (one slot per block S tokens can close), *_write
-        return new(steps, B, S), new(steps, B, -(-S // m)), new(steps, B, S)
-
-    return (new(steps, B, S), new(steps, B, S), new(steps, B, S, window), *per_rate(csa_ratio), *per_rate(hca_ratio))
+key_kernels("dsv4::plan", "plan", ("plan_kernel",))
 
 
 class Plan(NamedTuple):

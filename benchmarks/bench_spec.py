@@ -1,0 +1,83 @@
+"""Speculative-step benchmark: time of one CUDA-graphed MTP speculative step (verify k+1 tokens,
+accept, MTP extend, k-1 drafts) vs one plain CUDA-graphed decode step, for k = 1..4 at batch 1
+and 16, on the bench config (benchmarks/bench_model.py) at a synthetic 4K context.
+
+The step is a static graph: its cost does not depend on how many drafts are accepted. So
+tokens/s under full acceptance = B (k+1) / t_step, and under random MTP weights = B x measured
+tokens-per-step / t_step (tokens-per-step measured from the generator's acceptance counts).
+
+    python benchmarks/bench_spec.py --out spec.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench_model import bench_config, cuda_time_ms, synthetic_context
+from dsv4_ops import Generator
+from dsv4_ops.demo import random_model
+
+
+def graphed(fn, *args):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        for _ in range(2):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        fn(*args)
+    return g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--context", type=int, default=4096)
+    args = ap.parse_args()
+    cfg = bench_config()
+    model = random_model(cfg, dtype=torch.bfloat16, device="cuda")
+    ctx, res = args.context, {"device": torch.cuda.get_device_name(), "context": args.context, "rows": []}
+    for B in args.batches:
+        plain = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=False)
+        synthetic_context(plain, B, ctx)
+        ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
+        ones = torch.ones(B, dtype=torch.int32, device="cuda")
+        step = torch.compile(plain._decode_step, fullgraph=True, dynamic=False)
+        plain.lengths.fill_(ctx)
+        g = graphed(step, ids, ones)
+        plain.lengths.fill_(ctx)
+        t_plain = cuda_time_ms(g.replay, iters=50)
+        print(f"B={B}: plain decode step {t_plain:.3f} ms", flush=True)
+        del g, plain
+        for k in args.ks:
+            gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 512, compile=False, spec_steps=k)
+            synthetic_context(gen, B, ctx)
+            step = torch.compile(gen.spec.step, fullgraph=True, dynamic=False)
+
+            def reset():
+                gen.lengths.fill_(ctx)
+                gen.spec.last_tok[:B].copy_(ids)
+                gen.spec.drafts[:B].copy_(ids[:, None].expand(B, k))
+
+            reset()
+            g = graphed(step, ones)
+            reset()  # each replay advances lengths by the accepted count (+1): 512 slots of headroom
+            t = cuda_time_ms(g.replay, iters=50)
+            row = {"batch": B, "k": k, "plain_ms": t_plain, "spec_ms": t, "ratio": t / t_plain,
+                   "tok_s_full_acceptance": B * (k + 1) / t * 1e3, "tok_s_plain": B / t_plain * 1e3}
+            res["rows"].append(row)
+            print(f"B={B} k={k}: spec step {t:.3f} ms = {t / t_plain:.2f}x plain; "
+                  f"{row['tok_s_full_acceptance']:.0f} tok/s at full acceptance vs {row['tok_s_plain']:.0f} plain",
+                  flush=True)
+            json.dump(res, open(args.out, "w"), indent=1)
+            del g, gen
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Triton ring / pool write: ``cache[b, slots[b, s]] = values[b, s]`` for ``slots >= 0``.
+Contract: ``dsv4_ops.reference.cache_write``.
+
+One program per new row ``(b, s)`` and block of ``BLOCK_C`` channels: it reads the slot,
+and copies the row when the slot is in ``[0, N)`` (``-1`` = skip: no memory traffic).
+Slots of one row are distinct (``plan`` guarantees it), so programs never race.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import launch, next_pow2
+
+__all__ = ["cache_write", "cache_write_kernel", "cache_write_config"]
+
+
+@triton.jit
+def cache_write_kernel(
+    cache_ptr, values_ptr, slots_ptr,
+    S, N, C,
+    sc_b, sc_n, sc_c,
+    sv_b, sv_s, sv_c,
+    ss_b, ss_s,
+    BLOCK_C: tl.constexpr,
+):
+    pid_t = tl.program_id(0)  # new row b * S + s
+    pid_c = tl.program_id(1)  # channel block
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    slot = tl.load(slots_ptr + b * ss_b + s * ss_s).to(tl.int64)
+    if (slot >= 0) & (slot < N):
+        offs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = offs < C
+        row = tl.load(values_ptr + b * sv_b + s * sv_s + offs * sv_c, mask=mask)
+        tl.store(cache_ptr + b * sc_b + slot * sc_n + offs * sc_c, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def cache_write_config(C: int) -> dict:
+    """Static: a whole row of up to 1024 channels per program (V4 rows are 128..1024 wide)."""
+    block_c = min(1024, next_pow2(max(C, 1)))
+    return dict(BLOCK_C=block_c, num_warps=4 if block_c >= 512 else 2)
+
+
+def cache_write(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, *, wrap: bool = False) -> None:
+    """Raw launcher with the reference signature; writes ``cache`` in place, returns ``None``.
+
+    Slots outside ``[0, N)`` are skipped like ``-1``. ``wrap=True`` launches through
+    ``torch.library.wrap_triton`` (inside a ``triton_op``).
+    """
+    B, S = slots.shape
+    N, C = cache.shape[1], cache.shape[2]
+    if B * S * C == 0 or N == 0:
+        return None
+    cfg = cache_write_config(C)
+    launch(
+        cache_write_kernel, (B * S, -(-C // cfg["BLOCK_C"])),
+        cache, values, slots, S, N, C,
+        *cache.stride(), *values.stride(), *slots.stride(),
+        BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"], wrap=wrap,
+    )
+    return None

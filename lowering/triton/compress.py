@@ -1,0 +1,180 @@
+"""Triton compressor emission fused with RMSNorm, RoPE and the pool write.
+Contract: ``dsv4_ops.reference.compress``.
+
+One program per ``(b, e)`` emit slot; ``emit[b, e] = -1`` returns at once. For block
+``i = emit[b, e]`` the program walks the block's slots in chunks of ``BLOCK_M`` rows, all
+``d`` channels at once (``BLOCK_D >= d``):
+
+- slot rows come from ``new_*`` (row ``p - start``) when position ``p >= start``, else from the
+  ring (slot ``p % R``), exactly as the reference gathers them; with ``overlap`` (CSA) there
+  are ``2m`` slots: the first halves (channels ``[0, d)``) of block ``i-1``'s rows, then the
+  second halves (``[d, 2d)``) of block ``i``'s; block ``-1``'s slots are masked (weight 0);
+- per-channel softmax over the slots, online (running max / sum / weighted sum, fp32), so the
+  ``m = 128`` HCA block never needs ``128 x d`` registers;
+- RMSNorm with the weight over the ``d`` pooled channels, then interleaved RoPE of the last
+  ``r = 2 * half`` channels at position ``m * i`` (``cos``/``sin`` row ``m * i``): the channel
+  vector is viewed as ``[BLOCK_D / 2, 2]`` pairs and split into even / odd lanes. Lanes are
+  shifted by ``PAR = (d - r) % 2`` so that every rope pair is a lane pair;
+- one rounding to ``pool.dtype`` and a store to ``pool[b, i]`` (skipped when ``i >= N``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import launch, next_pow2
+
+__all__ = ["compress", "compress_kernel", "compress_config"]
+
+
+@triton.jit
+def _slot_ptrs(pos, fresh, nrow, rrow, chan, new_row0, sn_s, sn_c, ring_row0, sr_r, sr_c):
+    """[BLOCK_M, BLOCK_D] pointers: new rows for fresh positions, ring slots otherwise."""
+    from_new = new_row0 + nrow[:, None] * sn_s + chan * sn_c
+    from_ring = ring_row0 + rrow[:, None] * sr_r + chan * sr_c
+    return tl.where(fresh[:, None], from_new, from_ring)
+
+
+@triton.jit
+def compress_kernel(
+    ring_kv_ptr, ring_gate_ptr, new_kv_ptr, new_gate_ptr, start_ptr, emit_ptr,
+    norm_w_ptr, cos_ptr, sin_ptr, pool_ptr,
+    eps,
+    E, S, R, N, P, d, half, ratio,
+    srk_b, srk_r, srk_c,
+    srg_b, srg_r, srg_c,
+    snk_b, snk_s, snk_c,
+    sng_b, sng_s, sng_c,
+    sst_b,
+    se_b, se_e,
+    snw,
+    scos_p, scos_h,
+    ssin_p, ssin_h,
+    sp_b, sp_n, sp_c,
+    OVERLAP: tl.constexpr, PAR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)  # b * E + e
+    b = (pid // E).to(tl.int64)
+    e = (pid % E).to(tl.int64)
+    blk = tl.load(emit_ptr + b * se_b + e * se_e).to(tl.int64)
+    if (blk >= 0) & (blk < N):
+        st = tl.load(start_ptr + b * sst_b).to(tl.int64)
+        lane = tl.arange(0, BLOCK_D)
+        ch = lane - PAR  # channel of each lane
+        ch_ok = (ch >= 0) & (ch < d)
+        if OVERLAP:
+            n_slots = 2 * ratio
+        else:
+            n_slots = ratio
+
+        m_i = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for v0 in range(0, n_slots, BLOCK_M):
+            v = v0 + tl.arange(0, BLOCK_M)
+            if OVERLAP:
+                prev = v < ratio
+                pos = tl.where(prev, (blk - 1) * ratio + v, blk * ratio + (v - ratio))
+                choff = tl.where(prev, 0, d)
+            else:
+                pos = blk * ratio + v
+                choff = tl.zeros([BLOCK_M], tl.int32)
+            ok = (v < n_slots) & (pos >= 0)
+            fresh = (pos >= st) & (S > 0)
+            nrow = tl.minimum(tl.maximum(pos - st, 0), S - 1)
+            rrow = tl.where(pos >= 0, pos % R, 0)
+            chan = choff[:, None] + ch[None, :]
+            mask = ok[:, None] & ch_ok[None, :]
+            x = tl.load(_slot_ptrs(pos, fresh, nrow, rrow, chan, new_kv_ptr + b * snk_b, snk_s, snk_c,
+                                   ring_kv_ptr + b * srk_b, srk_r, srk_c), mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(_slot_ptrs(pos, fresh, nrow, rrow, chan, new_gate_ptr + b * sng_b, sng_s, sng_c,
+                                   ring_gate_ptr + b * srg_b, srg_r, srg_c),
+                        mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m_i, tl.max(g, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(g - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p * x, 0)
+            m_i = m_new
+        pooled = tl.where(ch_ok, acc / tl.where(ch_ok, l_i, 1.0), 0.0)
+
+        # RMSNorm (fp32) with the weight
+        inv = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / d + eps)
+        w = tl.load(norm_w_ptr + ch * snw, mask=ch_ok, other=0.0).to(tl.float32)
+        y = pooled * inv * w
+
+        # interleaved RoPE of the last 2 * half channels at position ratio * blk
+        ye, yo = tl.split(tl.reshape(y, (BLOCK_D // 2, 2)))
+        k = tl.arange(0, BLOCK_D // 2)
+        i = k - (d - 2 * half + PAR) // 2  # rope pair of lane pair k
+        bpos = blk * ratio
+        rope = (i >= 0) & (i < half) & (bpos < P)
+        c = tl.load(cos_ptr + bpos * scos_p + i * scos_h, mask=rope, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + bpos * ssin_p + i * ssin_h, mask=rope, other=0.0).to(tl.float32)
+        oe = tl.where(rope, ye * c - yo * s, ye)
+        oo = tl.where(rope, yo * c + ye * s, yo)
+
+        ce = 2 * k - PAR  # channels of the even / odd lanes
+        co = ce + 1
+        row = pool_ptr + b * sp_b + blk * sp_n
+        ty = pool_ptr.dtype.element_ty
+        tl.store(row + ce * sp_c, oe.to(ty), mask=(ce >= 0) & (ce < d))
+        tl.store(row + co * sp_c, oo.to(ty), mask=(co >= 0) & (co < d))
+
+
+def compress_config(d: int, half: int, ratio: int, overlap: bool) -> dict:
+    """Static: all ``d`` channels per program; ``BLOCK_M`` slot rows per chunk so that a
+    ``[BLOCK_M, BLOCK_D]`` tile is at most 4096 elements (d = 512: 8 rows, the whole CSA
+    ``2m = 8`` window in one chunk; HCA m = 128: 16 chunks)."""
+    par = (d - 2 * half) % 2
+    block_d = max(2, next_pow2(d + par))
+    slots = (2 if overlap else 1) * ratio
+    block_m = max(1, min(next_pow2(slots), 4096 // block_d))
+    return dict(PAR=par, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4 if block_d <= 512 else 8)
+
+
+def compress(
+    ring_kv: torch.Tensor,
+    ring_gate: torch.Tensor,
+    new_kv: torch.Tensor,
+    new_gate: torch.Tensor,
+    start: torch.Tensor,
+    emit: torch.Tensor,
+    norm_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pool: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    *,
+    wrap: bool = False,
+) -> None:
+    """Raw launcher with the reference signature; writes ``pool`` in place, returns ``None``.
+
+    Emitted blocks ``>= N`` are skipped, rope rows ``>= P`` are left unrotated (the public
+    op rejects both before a kernel runs). ``wrap=True`` launches through
+    ``torch.library.wrap_triton`` (inside a ``triton_op``).
+    """
+    B, E = emit.shape
+    N, d = pool.shape[1], pool.shape[2]
+    R, S = ring_kv.shape[1], new_kv.shape[1]
+    half = cos.shape[-1]
+    if B * E == 0 or N * d == 0:
+        return None
+    if S == 0:  # never read (no position is fresh), but the kernel needs real pointers
+        new_kv, new_gate = ring_kv, ring_gate
+    cfg = compress_config(d, half, ratio, overlap)
+    launch(
+        compress_kernel, (B * E,),
+        ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool,
+        float(eps),
+        E, S, R, N, cos.shape[0], d, half, ratio,
+        *ring_kv.stride(), *ring_gate.stride(), *new_kv.stride(), *new_gate.stride(),
+        start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool.stride(),
+        OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+        num_warps=cfg["num_warps"], wrap=wrap,
+    )
+    return None
