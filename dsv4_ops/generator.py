@@ -177,12 +177,15 @@ class Generator:
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
         for j in range(n_chunks):
             n_new = (lens_t - j * C).clamp(0, C).to(torch.int32)
-            chunk = ids[:, j * C : (j + 1) * C]
+            # contiguous copies: a slice of the [bucket, n_chunks * C] tensor has strides that
+            # depend on the prompt length, and dynamo guards on strides (a recompile per length)
+            chunk = ids[:, j * C : (j + 1) * C].contiguous()
             if self.spec is None:
                 out = self._run("prefill", chunk, n_new)
             else:
                 n_mtp = (lens_t - 1 - j * C).clamp(0, C).to(torch.int32)  # positions with a known next token
-                out = self._run("spec_prefill", chunk, next_ids[:, j * C : (j + 1) * C], n_new, n_mtp)
+                nxt = next_ids[:, j * C : (j + 1) * C].contiguous()
+                out = self._run("spec_prefill", chunk, nxt, n_new, n_mtp)
             logits = out if logits is None else torch.where((n_new > 0)[:, None], out, logits)
             self._stats["prefill_steps"] += 1
         if self.spec is not None:

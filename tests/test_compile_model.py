@@ -15,7 +15,7 @@ def setup():
     # sliding + CSA + HCA layers; small HCA rate so 64+ decode steps cross its blocks
     cfg = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
     model = random_model(cfg)
-    kw = dict(max_batch_size=4, max_seq_len=160, prefill_chunk=32)
+    kw = dict(max_batch_size=4, max_seq_len=192, prefill_chunk=32)
     eager = Generator(model, compile=False, **kw)
     compiled = Generator(model, compile=True, cuda_graphs=False, **kw)
     prompts = [[3, 1, 4, 1, 5], list(range(40)), [7] * 17]
@@ -33,7 +33,8 @@ def test_no_recompiles_over_64_decode_steps_and_new_prompt_lengths(setup):
     eager, compiled, _, _ = setup
     graphs = dict(compiled._graphs)
     assert graphs == {("prefill", 4): 1, ("decode", 4): 1}
-    new_prompts = [[11] * 3, list(range(70, 20, -1)), [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9] * 33]
+    # 50 and 100 tokens: more prefill chunks (of 32) than the warm-up's 2, same bucket
+    new_prompts = [[11] * 3, list(range(70, 20, -1)), [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9] * 100]
     with torch.compiler.set_stance("fail_on_recompile"):
         out = compiled.generate(new_prompts, max_new_tokens=70)  # crosses window 16 and HCA rate 8
         out2 = compiled.generate(new_prompts[:3], max_new_tokens=5)  # 3 prompts: same bucket 4
@@ -48,12 +49,12 @@ def test_speculative_step_compiles_once_and_stays_exact(setup):
     fullgraph compile; >= 64 steps and new prompt lengths in the same bucket never recompile."""
     eager, _, _, _ = setup
     model = eager.model
-    kw = dict(max_batch_size=4, max_seq_len=160, prefill_chunk=32)
+    kw = dict(max_batch_size=4, max_seq_len=192, prefill_chunk=32)
     gen = Generator(model, spec_steps=2, compile=True, cuda_graphs=False, **kw)
     gen.generate([[1, 2, 3], [4] * 9], max_new_tokens=3)  # warm-up: compiles spec_prefill + spec (bucket 2)
     graphs = dict(gen._graphs)
     assert set(graphs) == {("spec_prefill", 2), ("spec", 2)} and all(g == 1 for g in graphs.values())
-    prompts = [list(range(30, 60)), [5, 9, 2]]
+    prompts = [list(range(30, 130)), [5, 9, 2]]  # 100 tokens: 4 prefill chunks vs 1 at warm-up
     steps_before = gen.stats["spec_steps_run"]
     with torch.compiler.set_stance("fail_on_recompile"):
         out = gen.generate(prompts, max_new_tokens=70)
