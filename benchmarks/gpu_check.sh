@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call on the GPU box (device tool):  bash benchmarks/gpu_check.sh [tests|quick|bench|all]
-# (quick = gpu tests + demo + benchmarks, without re-running the Triton kernel tests)
+# The whole GPU check in one call on the GPU box (device tool):  bash benchmarks/gpu_check.sh [tests|quick|bench|ops|all]
+# (quick = gpu tests + demo + benchmarks, without re-running the Triton kernel tests;
+#  ops = the per-kernel benchmark's reduced grid alone, ~3 min: python -m dsv4_ops bench --quick)
 # Uses the machine's torch (2.11+cu130); carried wheels in .whl/ (transformers>=5.23, expecttest)
 # go to /tmp/site. Logs and results land in $OUT (or ./out).
 set -uo pipefail
@@ -28,5 +29,8 @@ if [ "$what" = quick ]; then what=bench; fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" 2>&1 | grep -v Warning | tee "$OUT/bench_model.log" || rc=1
   (cd benchmarks && python3 bench_spec.py --out "$OUT/bench_spec.json") 2>&1 | grep -v Warning | tee "$OUT/bench_spec.log" || rc=1
+fi
+if [ "$what" = ops ]; then
+  python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | grep -v Warning | tee "$OUT/bench_ops.log" || rc=1
 fi
 exit $rc

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dsv4_ops {demo,info}``."""
+"""Command line: ``python -m dsv4_ops {demo,bench,info}``."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
     demo.add_argument("--spec-steps", type=int, default=0, help="also run MTP speculative decoding with k drafts")
+    bench = sub.add_parser("bench", help="per-kernel decode benchmark: Triton ops vs reference vs roofline (CUDA)",
+                           description="Time each torch.ops.dsv4 op (Triton path) and its plain-PyTorch reference at "
+                                       "V4-Flash / V4-Pro decode shapes; write JSON, a markdown table and a plot.")
+    from .bench.run import add_arguments as bench_arguments
+
+    bench_arguments(bench)
     sub.add_parser("info", help="versions, devices and the registered ops")
     args = parser.parse_args(argv)
 
@@ -20,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(args.device, args.max_new_tokens, compile=not args.no_compile, spec_steps=args.spec_steps)
+    if args.cmd == "bench":
+        from .bench.run import run
+
+        return run(args)
     if args.cmd == "info":
         import torch
 
