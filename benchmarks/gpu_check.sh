@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call on the GPU box (device tool):  bash benchmarks/gpu_check.sh [tests|quick|bench|ops|all]
-# (quick = gpu tests + demo + benchmarks, without re-running the Triton kernel tests;
-#  ops = the per-kernel benchmark's reduced grid alone, ~3 min: python -m dsv4_ops bench --quick)
+# The GPU check on the GPU box (device tool):  bash benchmarks/gpu_check.sh [tests|quick|bench|spec|ops|all]
+#   tests = gpu tests + Triton kernel tests + demo;  quick = gpu tests + demo + model benchmark;
+#   bench = model benchmark;  spec = speculative-step benchmark;  ops = per-kernel benchmark (--quick grid).
+# One device call runs at most 10 minutes: `quick` then `spec` + `ops` fit in two calls; `all` does not.
 # Uses the machine's torch (2.11+cu130); carried wheels in .whl/ (transformers>=5.23, expecttest)
 # go to /tmp/site. Logs and results land in $OUT (or ./out).
 set -uo pipefail
@@ -28,6 +29,8 @@ fi
 if [ "$what" = quick ]; then what=bench; fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" 2>&1 | grep -v Warning | tee "$OUT/bench_model.log" || rc=1
+fi
+if [ "$what" = spec ] || [ "$what" = all ]; then
   (cd benchmarks && python3 bench_spec.py --out "$OUT/bench_spec.json") 2>&1 | grep -v Warning | tee "$OUT/bench_spec.log" || rc=1
 fi
 if [ "$what" = ops ]; then
