@@ -172,6 +172,7 @@ class Generator:
 
         self.lengths.zero_()  # a new batch: position-addressed state needs no other reset
         self._bucket, self._host_lengths = bucket, lens
+        self._decode_n_new = (torch.arange(bucket, device=self.device) < B).to(torch.int32)
         logits = None
         if self.spec is not None:  # the token after each prompt position feeds the MTP window
             next_ids = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
@@ -232,10 +233,8 @@ class Generator:
 
     def _decode(self, next_ids: Tensor) -> Tensor:
         B, bucket = len(self._host_lengths), self._bucket
-        ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        ids[:B] = next_ids[:B]
-        n_new = (torch.arange(bucket, device=self.device) < B).to(torch.int32)
-        out = self._run("decode", ids, n_new)
+        ids = next_ids[:B].contiguous() if B == bucket else torch.nn.functional.pad(next_ids[:B], (0, bucket - B))
+        out = self._run("decode", ids, self._decode_n_new)  # one token per real row, 0 for padding
         self._host_lengths = [n + 1 for n in self._host_lengths]
         self._stats["decode_steps"] += 1
         return out

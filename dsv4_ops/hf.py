@@ -14,19 +14,19 @@ from .model.model import DeepseekV4ForCausalLM
 __all__ = ["from_hf", "load_pretrained"]
 
 
-def _check_load(where: str, model, result, extra: list[str] = ()) -> None:
+def _check_load(where: str, model, result) -> None:
     """Every parameter must be loaded, except the MTP block's when the source has no MTP
     tensors at all (HF transformers drops them); source tensors must all be used, except
     extra MTP layers (``mtp.N`` beyond the one block we build)."""
     missing = list(result.missing_keys)
-    mtp_missing = [k for k in missing if k.startswith("mtp.")]
-    if mtp_missing and len(mtp_missing) == sum(k.startswith("mtp.") for k in model.state_dict()):
-        missing = [k for k in missing if not k.startswith("mtp.")]  # no MTP weights in the source
+    ours_mtp = {k for k in model.state_dict() if k.startswith("mtp.")}
+    if ours_mtp and ours_mtp <= set(missing):  # the source has no MTP weights at all
+        missing = [k for k in missing if k not in ours_mtp]
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
     ours = len(getattr(model, "mtp", []))
     unexpected = [
-        k for k in list(result.unexpected_keys) + list(extra)
+        k for k in result.unexpected_keys
         if not (k.startswith("mtp.") and int(k.split(".")[1]) >= ours)
     ]
     if unexpected:

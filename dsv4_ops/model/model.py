@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..cache import StaticCache
 from ..config import DSV4Config
 from ..reference.layer import RMSNorm, StepPlan, plan_step
 from ..reference.rope import rope_tables
@@ -165,8 +166,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Cache-free full forward of whole prompts from position 0: ``[B, S] -> [B, S, vocab]``."""
-        from ..cache import StaticCache
-
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
