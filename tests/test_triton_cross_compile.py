@@ -3,7 +3,7 @@ with the exact arguments and constexpr configs its launcher uses at DeepSeek-V4 
 needed. The launchers are called on ``meta`` tensors with ``launch`` swapped for a recorder, and
 each recorded launch is compiled with ``triton.compile(ASTSource(...), target=GPUTarget(...))``
 the way Triton's JIT would specialise it (pointers 16-byte aligned, ints == 1 as constants,
-ints divisible by 16 marked so).
+ints divisible by 16 marked so), except that float arguments are typed fp64 as Inductor types them.
 
 The compiles run in a subprocess without ``TRITON_INTERPRET`` (``conftest.py`` sets it for the
 whole CPU test process, and ``@triton.jit`` reads it when a kernel module is imported). Register
@@ -133,7 +133,9 @@ def _source(kernel, args, meta):
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
-            signature[name] = "fp32"
+            # Inductor types a Python float fp64 on CUDA/ROCm (Triton's JIT: fp32); the kernels
+            # must compile with the stricter one, which is what a compiled model launches
+            signature[name] = "fp64"
         else:
             raise TypeError(f"{name}: {type(v)}")
     return triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)

@@ -101,7 +101,7 @@ def compress_kernel(
         pooled = tl.where(ch_ok, acc / tl.where(ch_ok, l_i, 1.0), 0.0)
 
         # RMSNorm (fp32) with the weight
-        inv = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / d + eps)
+        inv = 1.0 / tl.sqrt(tl.sum(pooled * pooled, 0) / d + tl.cast(eps, tl.float32))  # fp64 under Inductor
         w = tl.load(norm_w_ptr + ch * snw, mask=ch_ok, other=0.0).to(tl.float32)
         y = pooled * inv * w
 

@@ -109,6 +109,9 @@ def sparse_attention_kernel(
     pid_t = tl.program_id(0)  # query token b * S + s
     pid_h = tl.program_id(1)  # head block
     pid_sp = tl.program_id(2)  # split of the entry list
+    # Triton's JIT types a Python float argument fp32, Inductor's codegen fp64: pin fp32 so
+    # the loop-carried softmax state keeps one type either way
+    scale_log2e = tl.cast(scale_log2e, tl.float32)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
 
