@@ -155,6 +155,7 @@ def bench_hf(cfg, B: int, ctx: int, log, chunk: int = 2048) -> dict:
     with torch.device("cuda"):
         hf = HF(hcfg).to(dtype=torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (B, ctx), device="cuda")
+    t0 = time.perf_counter()
     with torch.no_grad():
         def run(x, cache):
             out = hf(input_ids=x, cache=cache, use_cache=True)
@@ -173,7 +174,7 @@ def bench_hf(cfg, B: int, ctx: int, log, chunk: int = 2048) -> dict:
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
     res = {"batch": B, "context": ctx, "hf_eager_ms": statistics.median(times[2:])}
-    log(f"  HF eager B={B} ctx={ctx}: {res['hf_eager_ms']:.2f} ms")
+    log(f"  HF eager B={B} ctx={ctx}: {res['hf_eager_ms']:.2f} ms (prefill + timing {time.perf_counter() - t0:.0f} s)")
     del hf, cache
     torch.cuda.empty_cache()
     return res
@@ -184,7 +185,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--hf-contexts", type=int, nargs="*", default=[4096])
+    ap.add_argument("--hf-points", nargs="*", default=["1x4096", "1x16384", "1x32768", "32x4096"],
+                    help="BATCHxCONTEXT points for HF transformers eager (each needs a real prefill)")
+    ap.add_argument("--hf-budget-s", type=float, default=120.0,
+                    help="start no further HF point once this much time went to HF")
     ap.add_argument("--prefill", type=int, default=4096)
     args = ap.parse_args()
 
@@ -206,14 +210,20 @@ def main() -> None:
         json.dump(results, open(args.out, "w"), indent=1)
     del model
     torch.cuda.empty_cache()
-    for B in args.batches[:1]:
-        for ctx in args.hf_contexts:
-            try:
-                results["hf"].append(bench_hf(cfg, B, ctx, log))
-            except Exception as e:  # keep the measured numbers even if HF fails
-                log(f"  HF B={B} ctx={ctx} failed: {type(e).__name__}: {e}")
-                results["hf"].append({"batch": B, "context": ctx, "error": f"{type(e).__name__}: {e}"})
-            json.dump(results, open(args.out, "w"), indent=1)
+    t_hf = time.perf_counter()
+    for point in args.hf_points:
+        B, ctx = (int(x) for x in point.split("x"))
+        if time.perf_counter() - t_hf > args.hf_budget_s:
+            log(f"  HF B={B} ctx={ctx}: not run (HF time budget of {args.hf_budget_s:.0f} s spent)")
+            results["hf"].append({"batch": B, "context": ctx, "error": "not run: time budget"})
+            continue
+        try:
+            results["hf"].append(bench_hf(cfg, B, ctx, log, chunk=2048 if B == 1 else 256))
+        except Exception as e:  # keep the measured numbers even if HF fails
+            log(f"  HF B={B} ctx={ctx} failed: {type(e).__name__}: {e}")
+            results["hf"].append({"batch": B, "context": ctx, "error": f"{type(e).__name__}: {e}"})
+            torch.cuda.empty_cache()
+        json.dump(results, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,14 @@ accept, MTP extend, k-1 drafts) vs one plain CUDA-graphed decode step, for k = 1
 and 16, on the bench config (benchmarks/bench_model.py) at a synthetic 4K context.
 
 The step is a static graph: its cost does not depend on how many drafts are accepted. So
-tokens/s under full acceptance = B (k+1) / t_step, and under random MTP weights = B x measured
-tokens-per-step / t_step (tokens-per-step measured from the generator's acceptance counts).
+tokens/s under full acceptance = B (k+1) / t_step, and under random acceptance = B x measured
+tokens-per-step / t_step, where tokens-per-step is counted from the replays' own ``count``
+outputs (random MTP weights against a random main model: drafts almost never match).
+
+Bytes floor of a step (weights + KV read once at 4.3 TB/s): a plain step reads the main model
+once; a speculative step reads it once for the verify pass and the MTP block (+ the shared LM
+head) k times, since the k draft forwards depend on each other. Their ratio bounds how close
+to the plain step a speculative step can get on this config.
 
     python benchmarks/bench_spec.py --out spec.json
 """
@@ -15,12 +21,14 @@ import json
 
 import torch
 
-from bench_model import bench_config, cuda_time_ms, synthetic_context
+from bench_model import HBM_BYTES_PER_S, bench_config, cuda_time_ms, decode_floor_bytes, synthetic_context
 from dsv4_ops import Generator
 from dsv4_ops.demo import random_model
 
 
-def graphed(fn, *args):
+def graphed(fn, *args, outputs: list | None = None):
+    """Capture ``fn(*args)`` (after two warm-up calls on a side stream) as a CUDA graph; the
+    captured call's outputs (static buffers, rewritten by each replay) go to ``outputs``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.no_grad():
@@ -29,8 +37,18 @@ def graphed(fn, *args):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g), torch.no_grad():
-        fn(*args)
+        out = fn(*args)
+    if outputs is not None:
+        outputs.append(out)
     return g
+
+
+def spec_floor_bytes(model, cfg, B: int, ctx: int, k: int) -> int:
+    """Main model once (verify) + the MTP block and the shared LM head k times + its window."""
+    mtp = sum(p.numel() * p.element_size() for p in model.mtp.parameters())
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    window = B * cfg.sliding_window * cfg.head_dim * model.dtype.itemsize
+    return decode_floor_bytes(model, cfg, B, ctx) + k * (mtp + head + window)
 
 
 def main() -> None:
@@ -53,7 +71,8 @@ def main() -> None:
         g = graphed(step, ids, ones)
         plain.lengths.fill_(ctx)
         t_plain = cuda_time_ms(g.replay, iters=50)
-        print(f"B={B}: plain decode step {t_plain:.3f} ms", flush=True)
+        plain_floor = decode_floor_bytes(model, cfg, B, ctx) / HBM_BYTES_PER_S * 1e3
+        print(f"B={B}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms)", flush=True)
         del g, plain
         for k in args.ks:
             gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 512, compile=False, spec_steps=k)
@@ -66,15 +85,28 @@ def main() -> None:
                 gen.spec.drafts[:B].copy_(ids[:, None].expand(B, k))
 
             reset()
-            g = graphed(step, ones)
+            outs = []
+            g = graphed(step, ones, outputs=outs)
+            counts = outs[0][1]  # [B] tokens emitted per row by the latest replay
             reset()  # each replay advances lengths by the accepted count (+1): 512 slots of headroom
             t = cuda_time_ms(g.replay, iters=50)
+            reset()
+            emitted = torch.zeros((), dtype=torch.long, device="cuda")
+            for _ in range(50):
+                g.replay()
+                emitted += counts.sum()
+            per_step = emitted.item() / (50 * B)
+            floor = spec_floor_bytes(model, cfg, B, ctx, k) / HBM_BYTES_PER_S * 1e3
             row = {"batch": B, "k": k, "plain_ms": t_plain, "spec_ms": t, "ratio": t / t_plain,
-                   "tok_s_full_acceptance": B * (k + 1) / t * 1e3, "tok_s_plain": B / t_plain * 1e3}
+                   "plain_floor_ms": plain_floor, "spec_floor_ms": floor, "floor_ratio": floor / plain_floor,
+                   "spec_floor_fraction": floor / t, "tokens_per_step_random": per_step,
+                   "tok_s_full_acceptance": B * (k + 1) / t * 1e3, "tok_s_random_acceptance": B * per_step / t * 1e3,
+                   "tok_s_plain": B / t_plain * 1e3}
             res["rows"].append(row)
-            print(f"B={B} k={k}: spec step {t:.3f} ms = {t / t_plain:.2f}x plain; "
-                  f"{row['tok_s_full_acceptance']:.0f} tok/s at full acceptance vs {row['tok_s_plain']:.0f} plain",
-                  flush=True)
+            print(f"B={B} k={k}: spec step {t:.3f} ms = {t / t_plain:.2f}x plain (bytes floors: {floor:.3f} ms = "
+                  f"{floor / plain_floor:.2f}x plain's, {floor / t:.0%} reached); tok/s: "
+                  f"{row['tok_s_full_acceptance']:.0f} full acceptance, {row['tok_s_random_acceptance']:.0f} random "
+                  f"({per_step:.2f} tokens/step), {row['tok_s_plain']:.0f} plain", flush=True)
             json.dump(res, open(args.out, "w"), indent=1)
             del g, gen
 

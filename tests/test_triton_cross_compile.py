@@ -35,6 +35,7 @@ def _launches(backend: str):
     from lowering.triton import compress as cp
     from lowering.triton import indexer as ix
     from lowering.triton import plan as pl
+    from lowering.triton import sinkhorn as sk
     from lowering.triton import sparse_attention as sa
 
     recorded = []
@@ -42,7 +43,7 @@ def _launches(backend: str):
     def record(kernel, grid, *args, wrap=False, **meta):
         recorded.append((kernel, args, meta))
 
-    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = record
+    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = record
     meta_dev = torch.device("meta")
 
     def attention(name, B, heads, dim, dtype, num_splits=None):
@@ -99,6 +100,8 @@ def _launches(backend: str):
         one(name, cp.compress, ring, ring, new, new, torch.empty(B_DECODE, **i32), torch.empty(B_DECODE, 1, **i32),
             torch.empty(d, **f32), torch.empty(65536, 32, **f32), torch.empty(65536, 32, **f32),
             torch.empty(B_DECODE, N_POOL, d, **bf16), m, overlap, 1e-6)
+    # mHC Sinkhorn: one decode token per row (hc_mult = 4), 20 iterations
+    one("sinkhorn", sk.sinkhorn, torch.empty(B_DECODE, 1, 4, 4, **f32), 20, 1e-6)
     return out
 
 
@@ -202,7 +205,7 @@ def compiled():
 KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combine",
            "attention_tiny_fp32", "indexer_scores", "topk_512", "topk_1024",
            "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
-           "compress_csa", "compress_hca", "compress_indexer"]
+           "compress_csa", "compress_hca", "compress_indexer", "sinkhorn"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -1,4 +1,4 @@
-"""Raw Triton launchers of plan, cache_write and compress vs the reference ops.
+"""Raw Triton launchers of plan, cache_write, compress and sinkhorn vs the reference ops.
 
 On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (numpy, one program at a
 time), so shapes stay small; on a CUDA machine the same tests launch the compiled kernels. Every
@@ -21,6 +21,7 @@ from test_triton_interp import _kernel_module  # noqa: E402
 tplan = _kernel_module("plan")
 tcache = _kernel_module("cache_write")
 tcompress = _kernel_module("compress")
+tsinkhorn = _kernel_module("sinkhorn")
 
 I32 = torch.int32
 
@@ -215,6 +216,18 @@ def test_compress_config_is_static():
     assert odd["PAR"] == 1 and odd["BLOCK_D"] == 32
 
 
+# --------------------------------------------------------------------------------------
+# sinkhorn
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T, N, iters", [(1, 4, 20), (130, 4, 20), (7, 2, 5), (5, 3, 2), (3, 4, 1)])
+def test_sinkhorn_matches_reference(T, N, iters, poison):
+    """T = 130 spans several programs (64 matrices of 4 x 4 each); N = 3 pads to 4."""
+    comb = (torch.rand(T, N, N, device=DEVICE) * 3).softmax(-1) + 1e-6
+    out = poison(torch.empty(T, N, N, device=DEVICE))
+    tsinkhorn.sinkhorn(comb, iters, 1e-6, out=out)
+    torch.testing.assert_close(out, ref.sinkhorn(comb, iters, 1e-6), atol=1e-6, rtol=1e-5)
+
+
 def test_launch_through_wrap_triton(poison):
     """``wrap=True`` (the path the triton_op bodies take) launches the same kernels."""
     args = (i32([3, 9]), i32([2, 1]), 2, 1, 4, 6, False, 4, 8, 8, 8)
@@ -235,3 +248,5 @@ def test_launch_through_wrap_triton(poison):
     tcompress.compress(*ring, *new, *rest, pool, 4, True, 1e-6, wrap=True)
     ref.compress(*ring, *new, *rest, want, 4, True, 1e-6)
     torch.testing.assert_close(pool, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+    comb = torch.rand(3, 2, 4, 4, device=DEVICE) + 0.1
+    torch.testing.assert_close(tsinkhorn.sinkhorn(comb, 20, 1e-6, wrap=True), ref.sinkhorn(comb, 20, 1e-6))

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
+
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     # unweighted RMSNorm, same op order as HF's DeepseekV4UnweightedRMSNorm
@@ -46,11 +48,9 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (N, N)) * comb_s + comb_b.view(N, N), dim=-1) + self.hc_eps
-        # Sinkhorn: one column normalisation, then (iters - 1) x (row, column)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        # Sinkhorn: one column normalisation, then (iters - 1) x (row, column); an op, so that on
+        # GPU the 39 normalisations are one kernel (Inductor would emit one per normalisation)
+        comb = ops.sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
         u = (pre.unsqueeze(-1) * x).sum(dim=2)  # fp32 (pre promotes)
         return u.to(x.dtype), post, comb
 

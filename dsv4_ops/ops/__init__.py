@@ -10,5 +10,6 @@ from .cache_write import cache_write
 from .compressor import compress
 from .indexer import indexer_topk
 from .plan import Plan, plan
+from .sinkhorn import sinkhorn
 
-__all__ = ["Plan", "plan", "cache_write", "compress", "indexer_topk", "sparse_attention"]
+__all__ = ["Plan", "plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn"]

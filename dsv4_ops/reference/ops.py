@@ -27,6 +27,7 @@ __all__ = [
     "compress",
     "indexer_topk",
     "sparse_attention",
+    "sinkhorn",
     "apply_rope",
     "rms_norm",
 ]
@@ -359,3 +360,18 @@ def sparse_attention(
     probs = torch.cat([logits, sinks], dim=-1).softmax(dim=-1)[..., :-1]
     out = torch.einsum("bshl,bsld->bshd", probs, entries)
     return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# sinkhorn: the mHC residual-mixing matrix (architecture.md §8)
+# --------------------------------------------------------------------------------------
+def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
+    """Sinkhorn normalisation of positive ``[..., N, N]`` matrices, in fp32: one column
+    normalisation, then ``iters - 1`` x (rows, columns); every sum is offset by ``eps``
+    (``c / (sum + eps)``), the order HF and the official mHC use. Returns fp32, same shape."""
+    comb = comb.float()
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb

@@ -5,6 +5,7 @@
 - ``plan``: all nine metadata tensors of a step in one launch.
 - ``cache_write``: ring / pool row scatter by slot (-1 skipped).
 - ``compress``: compressor emission fused with RMSNorm, RoPE and the pool write.
+- ``sinkhorn``: the mHC mixing matrix's whole Sinkhorn loop in registers, one launch.
 
 Every launcher has the reference op's signature plus ``out=`` (where the op returns tensors)
 and ``wrap=`` (launch through ``torch.library.wrap_triton``, as the ``triton_op`` bodies in
