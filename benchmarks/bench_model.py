@@ -57,6 +57,7 @@ def decode_floor_bytes(model, cfg: DSV4Config, B: int, ctx: int) -> int:
     keys, HCA all visible entries."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    weights -= sum(p.numel() * p.element_size() for p in model.mtp.parameters())  # only spec steps read it
     e = model.dtype.itemsize
     kv = 0
     for t in cfg.layer_types:
@@ -190,6 +191,7 @@ def main() -> None:
     ap.add_argument("--hf-budget-s", type=float, default=120.0,
                     help="start no further HF point once this much time went to HF")
     ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "hf"], choices=["decode", "prefill", "hf"])
     args = ap.parse_args()
 
     def log(msg: str) -> None:
@@ -201,17 +203,17 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "prefill": [],
                "hf": []}
     log(f"bench config on {results['device']}, torch {torch.__version__}")
-    for B in args.batches:
+    for B in args.batches if "decode" in args.parts else []:
         results["decode"] += bench_decode(model, cfg, B, args.contexts, log)
         json.dump(results, open(args.out, "w"), indent=1)
-    for B in args.batches:
+    for B in args.batches if "prefill" in args.parts else []:
         prompt = args.prefill if B == 1 else args.prefill // 4
         results["prefill"].append(bench_prefill(model, cfg, B, prompt, 512 if B == 1 else 64, log))
         json.dump(results, open(args.out, "w"), indent=1)
     del model
     torch.cuda.empty_cache()
     t_hf = time.perf_counter()
-    for point in args.hf_points:
+    for point in args.hf_points if "hf" in args.parts else []:
         B, ctx = (int(x) for x in point.split("x"))
         if time.perf_counter() - t_hf > args.hf_budget_s:
             log(f"  HF B={B} ctx={ctx}: not run (HF time budget of {args.hf_budget_s:.0f} s spent)")

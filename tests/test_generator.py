@@ -73,6 +73,27 @@ def test_bucket_padding_and_batch_reuse_give_each_prompt_its_own_tokens(model) -
         torch.testing.assert_close(a[b], alone.prefill([p])[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_prompts, spec_steps", [(1, 0), (3, 0), (1, 2)])
+def test_prefill_chunks_have_the_same_strides_for_every_prompt_length(model, n_prompts, spec_steps) -> None:
+    """Dynamo guards on strides: every chunk a step receives must look the same whatever the
+    prompt length, or a compiled step recompiles per length (bucket 1 did: a ``[1, C]`` slice of
+    the long id tensor kept the long tensor's row stride)."""
+    gen = Generator(model, max_batch_size=MAX_BATCH, max_seq_len=MAX_SEQ, compile=False, prefill_chunk=8,
+                    spec_steps=spec_steps)
+    seen, run = set(), gen._run
+
+    def spy(kind, *args):
+        seen.add(tuple((tuple(a.shape), a.stride()) for a in args))
+        return run(kind, *args)
+
+    gen._run = spy
+    for n in (5, 8, 30, MAX_SEQ - 4):  # 1, 1, 4 and 6 chunks
+        gen.prefill([list(range(n))] * n_prompts)
+    assert len(seen) == 1, seen
+    (args,) = seen
+    assert args[0] == ((n_prompts, 8), (8, 1))  # bucket = n_prompts (1 or 3)
+
+
 def test_stats(model) -> None:
     gen = Generator(model, max_batch_size=2, max_seq_len=32, compile=False, prefill_chunk=8)
     s = gen.stats

@@ -86,7 +86,10 @@ def test_cache_write_matches_reference(B, N, S, C, dtype, poison):
     cache = poison(torch.empty(B, N, C, device=DEVICE, dtype=dtype))
     values = torch.randn(B, S, C, device=DEVICE).to(dtype)
     slots = _slots(B, S, N)
-    slots[0, 0] = N - 1  # the last row is addressable
+    first = slots[0].tolist()  # make the last row addressable, keeping row 0's slots distinct
+    if N - 1 in first:
+        slots[0, first.index(N - 1)] = first[0]
+    slots[0, 0] = N - 1
     want = cache.clone()
     ref.cache_write(want, values, slots)
     assert tcache.cache_write(cache, values, slots) is None
