@@ -111,10 +111,14 @@ def test_case_inputs_are_valid_distinct_and_see_the_full_context():
     assert cmp_len.tolist() == [[ctx // d.hca_ratio]] * B
 
 
+def test_sinkhorn_reads_and_writes_each_matrix_once():
+    assert rl.sinkhorn_cost(batch=64, hc_mult=4) == (64 * 2 * 16 * 4, 0)
+
+
 def test_quick_grid_and_shared_ops_run_once():
     cases = C.grid([C.FLASH, C.PRO], C.KERNELS, R.QUICK_GRID["batches"], R.QUICK_GRID["contexts"])
     by_kernel = {k: [c for c in cases if c.kernel == k] for k in C.KERNELS}
-    assert [len(by_kernel[k]) for k in C.KERNELS] == [8, 4, 6, 2, 2]
+    assert [len(by_kernel[k]) for k in C.KERNELS] == [8, 4, 6, 2, 2, 2]
     assert {c.shape for c in by_kernel["plan"]} == {"flash/pro"}
     assert not any(c.skip for c in cases)
 
@@ -208,9 +212,9 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
     lines = []
     assert R.run(args, strict=True, log=lines.append) == 0
     rows = json.loads((tmp_path / "bench_ops.json").read_text())["rows"]
-    assert len(rows) == 11 and len(lines) == 11 + 2  # header, one line per case, summary
+    assert len(rows) == 12 and len(lines) == 12 + 2  # header, one line per case, summary
     assert all(r["status"] == "ok" and r["check"]["ok"] and r["time_us"] > 0 and r["ref_us"] > 0 for r in rows)
-    assert (tmp_path / "bench_ops.md").read_text().count("\n| ") == 12
+    assert (tmp_path / "bench_ops.md").read_text().count("\n| ") == 13
     # --from-json: the same table again, from the JSON alone
     assert R.render(tmp_path / "bench_ops.json", tmp_path / "again", plot=False, log=lines.append) == 0
     assert (tmp_path / "again" / "bench_ops.md").read_text() == (tmp_path / "bench_ops.md").read_text()

@@ -23,7 +23,7 @@ NORM = torch.bfloat16  # RMSNorm weight (a model parameter)
 ROPE = torch.float32  # cos / sin tables
 WEIGHTS = torch.float32  # indexer per-head weights (the model folds the scales in fp32)
 I32 = torch.int32
-KERNELS = ("sparse_attention", "indexer_topk", "compress", "plan", "cache_write")
+KERNELS = ("sparse_attention", "indexer_topk", "compress", "plan", "cache_write", "sinkhorn")
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,20 @@ def cache_write_case(d: Dims, B: int, ctx: int, shape: str) -> Case:
                 dict(R=W, C=D), make, mutated=0, ref_work_bytes=2 * B * (W + 1) * D * ACT.itemsize)
 
 
+def sinkhorn_case(d: Dims, B: int, ctx: int, shape: str, hc_mult: int = 4, iters: int = 20) -> Case:
+    """One mHC site's Sinkhorn for the step's token of every row (V4: hc_mult 4, 20 iterations)."""
+
+    def make(dev):
+        comb = (torch.rand((B, 1, hc_mult, hc_mult), device=dev) * 3).softmax(-1) + 1e-6
+        return comb, iters, 1e-6
+
+    return Case("sinkhorn", "", shape, B, ctx, rl.sinkhorn_cost(B, hc_mult), dict(N=hc_mult, iters=iters), make,
+                ref_work_bytes=4 * 4 * B * hc_mult * hc_mult * 4)
+
+
 def grid(dims: list[Dims], kernels: tuple[str, ...], batches: list[int], contexts: list[int]) -> list[Case]:
     """Every case, kernel-major. Ops whose widths do not depend on H / top-k (compress, plan,
-    cache_write) run once, labelled with every requested shape (e.g. ``flash/pro``)."""
+    cache_write, sinkhorn) run once, labelled with every requested shape (e.g. ``flash/pro``)."""
     shared = "/".join(d.name for d in dims)
     out = []
     for kernel in kernels:
@@ -203,6 +214,8 @@ def grid(dims: list[Dims], kernels: tuple[str, ...], batches: list[int], context
                     out.append(plan_case(dims[0], B, ctx, shared))
                 elif kernel == "cache_write":
                     out.append(cache_write_case(dims[0], B, ctx, shared))
+                elif kernel == "sinkhorn":
+                    out.append(sinkhorn_case(dims[0], B, ctx, shared))
                 else:
                     raise ValueError(f"unknown kernel {kernel!r}; choose from {KERNELS}")
     return out

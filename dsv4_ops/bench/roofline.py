@@ -110,3 +110,12 @@ def cache_write_cost(batch: int, channels: int, elem_bytes: int = 2, num_tokens:
     flops = 0
     """
     return Cost(batch * num_tokens * (2 * channels * elem_bytes + INDEX_BYTES), 0)
+
+
+def sinkhorn_cost(batch: int, hc_mult: int = 4, num_tokens: int = 1) -> Cost:
+    """``sinkhorn`` of one fp32 ``N x N`` mHC matrix per token (read once, written once):
+
+    bytes = B*S * 2 * N*N*4
+    flops = 0
+    """
+    return Cost(batch * num_tokens * 2 * hc_mult * hc_mult * 4, 0)
