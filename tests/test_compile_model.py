@@ -61,3 +61,18 @@ def test_speculative_step_compiles_once_and_stays_exact(setup):
     assert gen.stats["spec_steps_run"] - steps_before >= 64  # random MTP weights: ~1 token per step
     assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
     assert out == eager.generate(prompts, max_new_tokens=70)
+
+
+def test_single_prompt_bucket_prefills_new_lengths_without_recompiling(setup):
+    """Bucket 1 (one request), the common serving case: prompts with more prefill chunks than
+    the warm-up reuse the compiled prefill step (it once recompiled per prompt length there)."""
+    eager, _, _, _ = setup
+    gen = Generator(eager.model, max_batch_size=1, max_seq_len=192, prefill_chunk=32, compile=True,
+                    cuda_graphs=False)
+    gen.prefill([[4, 2]])  # warm-up: one chunk
+    assert gen._graphs == {("prefill", 1): 1}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in (33, 100, 150):  # 2, 4 and 5 chunks
+            logits = gen.prefill([list(range(n))])
+            torch.testing.assert_close(logits, eager.prefill([list(range(n))]), atol=1e-4, rtol=1e-4)
+    assert gen._graphs == {("prefill", 1): 1} and gen.stats["recompiles"] == 0
