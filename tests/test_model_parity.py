@@ -1,13 +1,15 @@
 """The whole model against HF transformers' ``DeepseekV4ForCausalLM`` (same random weights, fp32,
-CPU, eager): cache-free ``model(input_ids)`` at every position, and ``Generator`` prefill + decode
+eager): cache-free ``model(input_ids)`` at every position, and ``Generator`` prefill + decode
 at every step against HF's own incremental run (``cache=`` / ``DynamicCache``), each HF row at
-batch 1 so HF padding semantics never enter. Also the weight-loading paths (``from_hf``,
+batch 1 so HF padding semantics never enter. The parity tests run twice: ours on the CPU, and
+ours on CUDA (the Triton kernels; marked ``gpu``) against the same HF oracle on the CPU. Also the weight-loading paths (``from_hf``,
 ``load_state_dict``, ``load_pretrained`` of ``save_pretrained`` output) and a bf16 smoke test.
 
 Metric everywhere: ``||ours - hf|| / ||hf||`` per row per position (or per decode step) <= 1e-4.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -33,6 +35,15 @@ class Setup:
         self.cfg = cfg
         self.hf, self.ours = hf_and_ours(cfg, seed)
         self._runs: dict = {}
+        self._on: dict = {}
+
+    def ours_on(self, device: torch.device):
+        """Our model on ``device`` (a copy, so the CPU tests keep theirs)."""
+        if device.type == "cpu":
+            return self.ours
+        if device not in self._on:
+            self._on[device] = copy.deepcopy(self.ours).to(device)
+        return self._on[device]
 
     def hf_run(self, prompt: list[int], tokens: list[int] | None, steps: int) -> tuple[torch.Tensor, list, list]:
         """HF at batch 1: ``(prompt logits [S, vocab], [decode logits], fed tokens)``. Feeds
@@ -56,23 +67,24 @@ def tiny() -> Setup:
     return Setup(DSV4Config.tiny(), seed=0)
 
 
-def check_generator_vs_hf(S: Setup, prompts: list[list[int]], steps: int, tokens=None, **gen_kwargs) -> float:
-    """Generator prefill + ``steps`` decode steps vs per-row HF; every row, every step. Returns
-    the worst relative error."""
+def check_generator_vs_hf(S: Setup, prompts: list[list[int]], steps: int, tokens=None,
+                          device: torch.device = torch.device("cpu"), **gen_kwargs) -> float:
+    """Generator (ours on ``device``) prefill + ``steps`` decode steps vs per-row HF on the CPU;
+    every row, every step. Returns the worst relative error."""
     B = len(prompts)
     runs = [S.hf_run(p, None if tokens is None else tokens[b], steps) for b, p in enumerate(prompts)]
     gen_kwargs.setdefault("max_batch_size", B)
     gen_kwargs.setdefault("max_seq_len", max(map(len, prompts)) + steps)
-    gen = Generator(S.ours, compile=False, **gen_kwargs)
+    gen = Generator(S.ours_on(device), compile=False, **gen_kwargs)
     worst = 0.0
-    got = gen.prefill(prompts)
+    got = gen.prefill(prompts).cpu()
     assert got.shape == (B, S.cfg.vocab_size) and got.dtype == torch.float32
     for b, (prompt_logits, _, _) in enumerate(runs):
         e = rel(got[b], prompt_logits[-1])
         assert e <= TOL, f"prefill row {b} (len {len(prompts[b])}): {e:.2e}"
         worst = max(worst, e)
     for t in range(steps):
-        got = gen.decode(torch.tensor([r[2][t] for r in runs]))
+        got = gen.decode(torch.tensor([r[2][t] for r in runs])).cpu()
         for b, (_, outs, _) in enumerate(runs):
             e = rel(got[b], outs[t])
             assert e <= TOL, f"decode step {t} row {b} (position {len(prompts[b]) + t}): {e:.2e}"
@@ -103,13 +115,13 @@ FULL_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(FULL_VARIANTS))
-def test_full_forward_matches_hf_at_every_position(variant: str) -> None:
+def test_full_forward_matches_hf_at_every_position(variant: str, device) -> None:
     overrides, B, S = FULL_VARIANTS[variant]
     hf, ours = hf_and_ours(DSV4Config.tiny(**overrides), seed=list(FULL_VARIANTS).index(variant))
     ids = torch.randint(0, 256, (B, S))
     with torch.no_grad():
         want = hf(input_ids=ids).logits
-        got = ours(ids)
+        got = ours.to(device)(ids.to(device)).cpu()
     assert got.shape == want.shape == (B, S, 256) and got.dtype == torch.float32
     errs = torch.tensor([[rel(got[b, s], want[b, s]) for s in range(S)] for b in range(B)])
     print(f"full forward {variant}: worst rel {errs.max():.2e}")
@@ -119,7 +131,7 @@ def test_full_forward_matches_hf_at_every_position(variant: str) -> None:
 # --------------------------------------------------------------------------------------
 # Generator: prefill + decode vs HF incremental
 # --------------------------------------------------------------------------------------
-def test_generator_ragged_batch_300_decode_steps_match_hf(tiny: Setup) -> None:
+def test_generator_ragged_batch_300_decode_steps_match_hf(tiny: Setup, device) -> None:
     """Prompts {1, 5, 127, 128, 129, 300} in one ragged batch, then 300 decode steps of a fixed
     random token sequence per row: every row at every step crosses window (16), CSA (4) and
     HCA (16) boundaries, and 128-multiples."""
@@ -127,40 +139,40 @@ def test_generator_ragged_batch_300_decode_steps_match_hf(tiny: Setup) -> None:
     steps = 300
     prompts = random_prompts(lengths, tiny.cfg.vocab_size, seed=1)
     tokens = random_prompts([steps] * len(lengths), tiny.cfg.vocab_size, seed=2)
-    worst = check_generator_vs_hf(tiny, prompts, steps, tokens, max_seq_len=640)
-    print(f"ragged batch, 300 decode steps: worst rel {worst:.2e}")
+    worst = check_generator_vs_hf(tiny, prompts, steps, tokens, device, max_seq_len=640)
+    print(f"ragged batch, 300 decode steps ({device.type}): worst rel {worst:.2e}")
     # the cache-free forward agrees with HF's prompt logits at every position of every prompt
     for b, p in enumerate(prompts):
         with torch.no_grad():
-            got = tiny.ours(torch.tensor([p]))[0]
+            got = tiny.ours_on(device)(torch.tensor([p], device=device))[0].cpu()
         want = tiny.hf_run(p, tokens[b], steps)[0]
         assert max(rel(got[s], want[s]) for s in range(len(p))) <= TOL, len(p)
 
 
 @pytest.mark.parametrize("prefill_chunk", [16, 7])
-def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int) -> None:
+def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int, device) -> None:
     """``prefill_chunk`` smaller than the prompts: same logits as HF's one-shot prefill, and the
     cache it leaves decodes identically."""
     prompts = random_prompts([45, 1, 16, 33], tiny.cfg.vocab_size, seed=3)
     tokens = random_prompts([24] * 4, tiny.cfg.vocab_size, seed=4)
-    worst = check_generator_vs_hf(tiny, prompts, 24, tokens, prefill_chunk=prefill_chunk, max_seq_len=96)
+    worst = check_generator_vs_hf(tiny, prompts, 24, tokens, device, prefill_chunk=prefill_chunk, max_seq_len=96)
     print(f"prefill_chunk={prefill_chunk}: worst rel {worst:.2e}")
 
 
-def test_generator_batch_of_one_greedy_matches_hf(tiny: Setup) -> None:
+def test_generator_batch_of_one_greedy_matches_hf(tiny: Setup, device) -> None:
     """Batch 1, HF's own greedy tokens fed back, across the 16/32/48-position boundaries."""
     prompt = random_prompts([12], tiny.cfg.vocab_size, seed=5)
-    worst = check_generator_vs_hf(tiny, prompt, 60)
+    worst = check_generator_vs_hf(tiny, prompt, 60, device=device)
     print(f"batch 1 greedy: worst rel {worst:.2e}")
 
 
-def test_real_hca_rate_128_matches_hf() -> None:
+def test_real_hca_rate_128_matches_hf(device) -> None:
     """HCA at its real rate 128: prompts of 129 and 250 (and 1), decoding past 256 (and 384 for
     the 250 row), HF's greedy tokens fed to both."""
     S = Setup(DSV4Config.tiny(hca_ratio=128), seed=11)
     assert S.cfg.hca_ratio == 128 and HCA in S.cfg.layer_types
     prompts = random_prompts([129, 250, 1], S.cfg.vocab_size, seed=6)
-    worst = check_generator_vs_hf(S, prompts, 140, prefill_chunk=64)
+    worst = check_generator_vs_hf(S, prompts, 140, device=device, prefill_chunk=64)
     print(f"hca_ratio=128: worst rel {worst:.2e}")
 
 
