@@ -25,14 +25,16 @@ from dsv4_ops.ops._validate import trusted_inputs
 HBM_BYTES_PER_S = 4.3e12  # measured copy bandwidth of the H200 (DESIGN.md §6)
 
 
-def bench_config() -> DSV4Config:
-    """V4-Flash widths with 2 layers (HCA, CSA), 8 experts top-2 x 2048, vocab 8192."""
+def bench_config(layers: int = 2) -> DSV4Config:
+    """V4-Flash widths with 2 layers (HCA, CSA), 8 experts top-2 x 2048, vocab 8192; ``layers``
+    repeats the (HCA, CSA) pair pattern for deeper variants (the issue's bench config is 2)."""
+    types = ["heavily_compressed_attention", "compressed_sparse_attention"] * (layers // 2 + 1)
     return DSV4Config(
-        vocab_size=8192, hidden_size=4096, num_hidden_layers=2, num_attention_heads=64, head_dim=512,
+        vocab_size=8192, hidden_size=4096, num_hidden_layers=layers, num_attention_heads=64, head_dim=512,
         rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
-        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"], csa_ratio=4, hca_ratio=128,
+        layer_types=types[:layers], csa_ratio=4, hca_ratio=128,
         index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, moe_intermediate_size=2048, mlp_layer_types=["moe", "moe"],
+        n_shared_experts=1, moe_intermediate_size=2048, mlp_layer_types=["moe"] * layers,
     )  # fmt: skip
 
 

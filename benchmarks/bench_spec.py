@@ -57,10 +57,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=2,
+                    help="main-model layers (2 = the bench config); deeper models shrink the MTP block's share")
     args = ap.parse_args()
-    cfg = bench_config()
+    cfg = bench_config(args.layers)
     model = random_model(cfg, dtype=torch.bfloat16, device="cuda")
-    ctx, res = args.context, {"device": torch.cuda.get_device_name(), "context": args.context, "rows": []}
+    ctx, res = args.context, {"device": torch.cuda.get_device_name(), "context": args.context, "layers": args.layers,
+                              "rows": []}
     for B in args.batches:
         plain = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=False)
         synthetic_context(plain, B, ctx)
