@@ -53,13 +53,16 @@ def cuda_time_ms(fn, iters: int = 30, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
 def decode_floor_bytes(model, cfg: DSV4Config, B: int, ctx: int) -> int:
     """Bytes a decode step must move at least: every weight it reads once (the dense MoE reads
     all experts) + each row's KV read once: window, CSA top-k entries + all visible indexer
     keys, HCA all visible entries."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    weights -= sum(p.numel() * p.element_size() for p in model.mtp.parameters())  # only spec steps read it
+    weights = param_bytes(model.parameters()) - param_bytes([model.model.embed_tokens.weight])
+    weights -= param_bytes(model.mtp.parameters())  # only speculative steps read it
     e = model.dtype.itemsize
     kv = 0
     for t in cfg.layer_types:

@@ -21,14 +21,14 @@ import json
 
 import torch
 
-from bench_model import HBM_BYTES_PER_S, bench_config, cuda_time_ms, decode_floor_bytes, synthetic_context
+from bench_model import HBM_BYTES_PER_S, bench_config, cuda_time_ms, decode_floor_bytes, param_bytes, synthetic_context
 from dsv4_ops import Generator
 from dsv4_ops.demo import random_model
 
 
-def graphed(fn, *args, outputs: list | None = None):
-    """Capture ``fn(*args)`` (after two warm-up calls on a side stream) as a CUDA graph; the
-    captured call's outputs (static buffers, rewritten by each replay) go to ``outputs``."""
+def graphed(fn, *args):
+    """Capture ``fn(*args)`` (after two warm-up calls on a side stream) as a CUDA graph ->
+    ``(graph, outputs)``; the outputs are static buffers that each replay rewrites."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.no_grad():
@@ -38,15 +38,19 @@ def graphed(fn, *args, outputs: list | None = None):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g), torch.no_grad():
         out = fn(*args)
-    if outputs is not None:
-        outputs.append(out)
-    return g
+    return g, out
+
+
+def reset_spec(gen, B: int, ctx: int, ids, k: int) -> None:
+    """Every row at length ``ctx`` with next token ``ids`` and placeholder drafts (rejected)."""
+    gen.lengths.fill_(ctx)
+    gen.spec.last_tok[:B].copy_(ids)
+    gen.spec.drafts[:B].copy_(ids[:, None].expand(B, k))
 
 
 def spec_floor_bytes(model, cfg, B: int, ctx: int, k: int) -> int:
     """Main model once (verify) + the MTP block and the shared LM head k times + its window."""
-    mtp = sum(p.numel() * p.element_size() for p in model.mtp.parameters())
-    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    mtp, head = param_bytes(model.mtp.parameters()), param_bytes([model.lm_head.weight])
     window = B * cfg.sliding_window * cfg.head_dim * model.dtype.itemsize
     return decode_floor_bytes(model, cfg, B, ctx) + k * (mtp + head + window)
 
@@ -71,7 +75,7 @@ def main() -> None:
         ones = torch.ones(B, dtype=torch.int32, device="cuda")
         step = torch.compile(plain._decode_step, fullgraph=True, dynamic=False)
         plain.lengths.fill_(ctx)
-        g = graphed(step, ids, ones)
+        g, _ = graphed(step, ids, ones)
         plain.lengths.fill_(ctx)
         t_plain = cuda_time_ms(g.replay, iters=50)
         plain_floor = decode_floor_bytes(model, cfg, B, ctx) / HBM_BYTES_PER_S * 1e3
@@ -81,19 +85,11 @@ def main() -> None:
             gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 512, compile=False, spec_steps=k)
             synthetic_context(gen, B, ctx)
             step = torch.compile(gen.spec.step, fullgraph=True, dynamic=False)
-
-            def reset():
-                gen.lengths.fill_(ctx)
-                gen.spec.last_tok[:B].copy_(ids)
-                gen.spec.drafts[:B].copy_(ids[:, None].expand(B, k))
-
-            reset()
-            outs = []
-            g = graphed(step, ones, outputs=outs)
-            counts = outs[0][1]  # [B] tokens emitted per row by the latest replay
-            reset()  # each replay advances lengths by the accepted count (+1): 512 slots of headroom
+            reset_spec(gen, B, ctx, ids, k)
+            g, (_, counts) = graphed(step, ones)  # counts: [B] tokens each row emitted in the latest replay
+            reset_spec(gen, B, ctx, ids, k)  # replays advance lengths by count: 512 slots of headroom
             t = cuda_time_ms(g.replay, iters=50)
-            reset()
+            reset_spec(gen, B, ctx, ids, k)
             emitted = torch.zeros((), dtype=torch.long, device="cuda")
             for _ in range(50):
                 g.replay()

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_model import bench_config, cuda_time_ms, synthetic_context
-from bench_spec import graphed
+from bench_spec import graphed, reset_spec
 from dsv4_ops import Generator
 from dsv4_ops.demo import random_model
 
@@ -67,15 +67,13 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
     ones = torch.ones(B, dtype=torch.int32, device="cuda")
     gen.lengths.fill_(ctx)
-    g = graphed(torch.compile(gen._decode_step, fullgraph=True, dynamic=False), ids, ones)
+    g, _ = graphed(torch.compile(gen._decode_step, fullgraph=True, dynamic=False), ids, ones)
     gen.lengths.fill_(ctx)
     res["decode"] = report(f"decode B={B} ctx={ctx}", g, log)
     del g
     if args.spec:
-        gen.lengths.fill_(ctx)
-        gen.spec.last_tok[:B].copy_(ids)
-        gen.spec.drafts[:B].copy_(ids[:, None].expand(B, args.spec))
-        g = graphed(torch.compile(gen.spec.step, fullgraph=True, dynamic=False), ones)
+        reset_spec(gen, B, ctx, ids, args.spec)
+        g, _ = graphed(torch.compile(gen.spec.step, fullgraph=True, dynamic=False), ones)
         gen.lengths.fill_(ctx)
         res["spec"] = report(f"spec k={args.spec} B={B} ctx={ctx}", g, log)
     if args.out:
