@@ -207,6 +207,28 @@ def test_indexer_scores_matches_reference(dtype, poison, tol):
     torch.testing.assert_close(got, want, **tol(torch.float32 if dtype == torch.float32 else dtype))
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_indexer_scores_chunks_cover_the_row(chunk, poison, tol):
+    """A program's chunk spans several blocks: rows cut mid-block, mid-chunk, at a chunk
+    edge and at 0 are scored up to ``visible`` and ``-inf`` after, every slot written."""
+    q, w, keys, visible = _indexer_inputs(1, 4, 8, 32, 150, torch.float32)
+    visible[0] = torch.tensor([150, 37, 64, 0], dtype=torch.int32)
+    out = poison(torch.empty(1, 4, 150, dtype=torch.float32, device=DEVICE))
+    got = indexer.indexer_scores(q, w, keys, visible, out=out, config=dict(BLOCK_N=16, CHUNK=chunk))
+    want = ref.indexer_scores(q, w, keys, visible)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+def test_indexer_config_fills_the_gpu_from_static_sizes():
+    """Scores chunks shrink for few tokens or short rows (about 4 programs per SM)."""
+    big = indexer.indexer_config(B=64, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
+    one = indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
+    assert big["CHUNK"] == 1024 and 64 * (8192 // big["CHUNK"]) >= 4 * 132 * 0.9
+    assert one["CHUNK"] == one["BLOCK_N"] == 64
+    assert indexer.indexer_config(B=4096, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["CHUNK"] == 2048
+
+
 INDEXER_CASES = {
     # name: (B, S, HI, DI, N, topk, visible or None (random))
     "random_visible": (2, 2, 4, 32, 40, 16, None),

@@ -2,10 +2,11 @@
 Contract: ``dsv4_ops.reference.indexer_scores`` / ``indexer_topk``.
 
 Two kernels:
-- ``indexer_scores_kernel``: one program per query token ``(b, s)`` and block of
-  ``BLOCK_N`` entries, all heads at once: ``dots = q[HI, DI] @ keys[BLOCK_N, DI]^T`` (fp32
-  accumulate), ``score = sum_h w[h] * relu(dots[h])``; ``-inf`` for ``i >= visible``.
-  Blocks entirely past ``visible`` skip the key loads.
+- ``indexer_scores_kernel``: one program per query token ``(b, s)`` and chunk of ``CHUNK``
+  entries, all heads at once, looping over blocks of ``BLOCK_N`` entries with pipelined key
+  loads: ``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate),
+  ``score = sum_h w[h] * relu(dots[:, h])``; ``-inf`` for ``i >= visible``. Entries past
+  ``visible`` skip the key loads.
 - ``topk_kernel``: one program per query row, exact and deterministic, no sort of the row:
   1. radix select of the k-th largest score: the fp32 scores are mapped to order-preserving
      uint32 keys (``-0.0`` folded into ``+0.0``, as ``torch.sort`` treats them equal); four
@@ -24,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from ._launch import launch, next_pow2, sm_count
 
-__all__ = ["indexer_scores", "indexer_topk", "indexer_scores_kernel", "topk_kernel", "indexer_config"]
+__all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
+           "indexer_config"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -41,38 +43,49 @@ def indexer_scores_kernel(
     sv_b, sv_s,
     so_b, so_s, so_n,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_c = tl.program_id(1)  # chunk of CHUNK entries
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
     vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
     vis = tl.minimum(tl.maximum(vis, 0), N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    live = offs_n < vis
-    scores = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if pid_n * BLOCK_N < vis:
+    lo = pid_c * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    live_hi = tl.minimum(hi, vis)  # [lo, live_hi) is scored, [live_hi, hi) is -inf
+    out_row = out_ptr + b * so_b + s * so_s
+    if lo < live_hi:
         offs_h = tl.arange(0, BLOCK_HI)
         h_mask = offs_h < HI
         offs_d = tl.arange(0, BLOCK_DI)
         d_mask = offs_d < DI
-        q = tl.load(
-            q_ptr + b * sq_b + s * sq_s + offs_h[:, None] * sq_h + offs_d[None, :] * sq_d,
-            mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+        # q^T [DI, HI], loaded once per program: dots^T = keys @ q^T puts the entries on the
+        # MMA's M side and the heads on N, so the head sum stays within a warp
+        q_t = tl.load(
+            q_ptr + b * sq_b + s * sq_s + offs_h[None, :] * sq_h + offs_d[:, None] * sq_d,
+            mask=h_mask[None, :] & d_mask[:, None], other=0.0,
         )
-        keys = tl.load(
-            k_ptr + b * sk_b + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
-            mask=live[:, None] & d_mask[None, :], other=0.0,
-        ).to(q.dtype)
-        if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
-            dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-        else:
-            dots = tl.dot(q, tl.trans(keys), input_precision="ieee")
         w = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h * sw_h, mask=h_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
-        scores = tl.where(live, scores, float("-inf"))
-    tl.store(out_ptr + b * so_b + s * so_s + offs_n * so_n, scores, mask=offs_n < N)
+        key_row0 = k_ptr + b * sk_b
+        for start in range(lo, live_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            live = offs_n < live_hi
+            keys = tl.load(
+                key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
+                mask=live[:, None] & d_mask[None, :], other=0.0,
+            ).to(q_t.dtype)
+            if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
+                dots = tl.dot(keys.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+            else:
+                dots = tl.dot(keys, q_t, input_precision="ieee")
+            scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+            tl.store(out_row + offs_n * so_n, tl.where(live, scores, float("-inf")), mask=offs_n < hi)
+    # the blocks the scoring loop did not write
+    dead_lo = lo + tl.cdiv(tl.maximum(live_hi - lo, 0), BLOCK_N) * BLOCK_N
+    for start in range(dead_lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n * so_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < hi)
 
 
 @triton.jit
@@ -161,40 +174,68 @@ def topk_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-def indexer_config(HI: int, DI: int, topk: int) -> dict:
-    """Static block sizes: all indexer heads per program (64 for V4), 64 entries per block."""
-    return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=64,
-                num_warps=4, TOPK_BLOCK=1024, KPAD=max(16, next_pow2(topk)), topk_warps=4)
+def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132) -> dict:
+    """Static launch configuration (a pure function of sizes, never of tensor values).
+
+    Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
+    program loops over ``CHUNK`` entries with its ``q`` loaded once and the key loads
+    pipelined; ``CHUNK`` is sized so that the grid is about ``4 * sms`` programs (short
+    rows or few tokens get small chunks, so the GPU still fills).
+    Top-k: one program per row; ``TOPK_BLOCK`` scores per step of its passes.
+    """
+    block_n = 64
+    per_program = -(-(B * S * N) // (4 * sms))
+    chunk = min(max(block_n, next_pow2(per_program)), 2048)
+    return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
+                CHUNK=chunk, num_warps=4, num_stages=3,
+                TOPK_BLOCK=1024, KPAD=max(16, next_pow2(topk)), topk_warps=4)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                   out: torch.Tensor | None = None, *, wrap: bool = False) -> torch.Tensor:
-    """``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``."""
+                   out: torch.Tensor | None = None, *, config: dict | None = None,
+                   wrap: bool = False) -> torch.Tensor:
+    """``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``.
+    ``config`` overrides keys of ``indexer_config`` (tuning sweeps, tests)."""
     B, S, HI, DI = q.shape
     N = keys.shape[1]
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out
-    cfg = indexer_config(HI, DI, 1)
+    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device)), **(config or {})}
     launch(
-        indexer_scores_kernel, (B * S, -(-N // cfg["BLOCK_N"])),
+        indexer_scores_kernel, (B * S, -(-N // cfg["CHUNK"])),
         q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
         S, HI, N,
         *q.stride(), *weights.stride(), *keys.stride(), *visible.stride(), *out.stride(),
         DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
-        UPCAST_DOT=INTERPRET, num_warps=cfg["num_warps"], wrap=wrap,
+        CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=wrap,
+    )
+    return out
+
+
+def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor, cfg: dict,
+                     *, wrap: bool = False) -> torch.Tensor:
+    """The top-k pass alone, over precomputed ``[B, S, N]`` scores (``cfg``: ``indexer_config``)."""
+    B, S, N = scores.shape
+    launch(
+        topk_kernel, (B * S,),
+        scores, visible, out, S, N, topk,
+        *scores.stride(), *visible.stride(), *out.stride(),
+        BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["topk_warps"], wrap=wrap,
     )
     return out
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                  topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
-                 wrap: bool = False) -> torch.Tensor:
+                 config: dict | None = None, wrap: bool = False) -> torch.Tensor:
     """Raw launcher with the reference signature: ``[B, S, topk] int32``, -1 sentinels.
 
-    ``scores`` (optional ``[B, S, N] fp32``) is the scratch row buffer; ``wrap=True``
-    launches through ``torch.library.wrap_triton`` (inside a ``triton_op``).
+    ``scores`` (optional ``[B, S, N] fp32``) is the scratch row buffer; ``config`` overrides
+    keys of ``indexer_config``; ``wrap=True`` launches through ``torch.library.wrap_triton``
+    (inside a ``triton_op``).
     """
     B, S = visible.shape
     N = keys.shape[1]
@@ -205,12 +246,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     if N == 0:
         out.fill_(-1)
         return out
-    scores = indexer_scores(q, weights, keys, visible, out=scores, wrap=wrap)
-    cfg = indexer_config(q.shape[2], q.shape[3], topk)
-    launch(
-        topk_kernel, (B * S,),
-        scores, visible, out, S, N, topk,
-        *scores.stride(), *visible.stride(), *out.stride(),
-        BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["topk_warps"], wrap=wrap,
-    )
-    return out
+    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device)), **(config or {})}
+    scores = indexer_scores(q, weights, keys, visible, out=scores, config=cfg, wrap=wrap)
+    return topk_from_scores(scores, visible, topk, out, cfg, wrap=wrap)

@@ -1,0 +1,183 @@
+"""Launch-config sweep of the hot decode kernels on one GPU (tuning data for the static configs).
+
+    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk ...]
+
+For each kernel the script builds the per-kernel benchmark's inputs (``dsv4_ops.bench.cases``:
+V4-Flash widths, context 32K, L2-cold input copies), runs every config of its list, checks the
+output against the default config's (a config that computes something else is reported, not
+timed) and times it like ``python -m dsv4_ops bench`` (CUDA-graph replays, median). One line per
+config, best first at the end of each sweep; the JSON keeps every row.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dsv4_ops.bench import cases as C  # noqa: E402
+from dsv4_ops.bench import roofline as rl  # noqa: E402
+from dsv4_ops.bench.timing import l2_bytes, rotation_copies, time_calls  # noqa: E402
+from lowering.triton import indexer as ix  # noqa: E402
+from lowering.triton import sparse_attention as sa  # noqa: E402
+
+CTX = 32768
+FLASH, PRO = C.FLASH, C.PRO
+
+
+def _copies(case: C.Case, dev: torch.device) -> list[tuple]:
+    n = rotation_copies(case.cost.bytes, C.alloc_bytes(case), l2_bytes(dev), int(4e9))
+    torch.manual_seed(case.seed)
+    return [case.make(dev) for _ in range(n)]
+
+
+def _attention_configs(B: int, H: int, D: int, entries: int) -> list[dict]:
+    base = sa.attention_config(B, 1, H, D, entries)
+    out = [base]
+    for bn, stages, warps in [(32, 3, 8), (32, 4, 8), (32, 5, 8), (16, 4, 8), (16, 6, 8), (64, 2, 8), (64, 3, 8),
+                              (32, 3, 16), (32, 5, 16), (16, 6, 16), (64, 3, 16)]:
+        for splits in (1, 2, 3, 4) if (bn, stages, warps) in ((32, 3, 8), (32, 5, 8)) else (1, 2):
+            cfg = dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps, NUM_SPLITS=splits)
+            if cfg != base:
+                out.append(cfg)
+    return out
+
+
+def _scores_configs(base: dict) -> list[dict]:
+    out = [base]
+    for bn, chunk, warps, stages in [(64, 64, 4, 1), (64, 256, 4, 3), (64, 512, 4, 3), (64, 1024, 4, 2),
+                                     (64, 1024, 4, 3), (64, 1024, 4, 4), (64, 2048, 4, 3), (64, 1024, 8, 3),
+                                     (128, 128, 4, 1), (128, 512, 4, 3), (128, 1024, 4, 3), (128, 1024, 8, 3),
+                                     (128, 2048, 8, 3), (128, 1024, 8, 4)]:
+        cfg = dict(base, BLOCK_N=bn, CHUNK=chunk, num_warps=warps, num_stages=stages)
+        if cfg != base:
+            out.append(cfg)
+    return out
+
+
+def _topk_configs(base: dict) -> list[dict]:
+    return [base] + [dict(base, TOPK_BLOCK=blk, topk_warps=w) for blk in (1024, 2048, 4096, 8192)
+                     for w in (4, 8, 16) if (blk, w) != (base["TOPK_BLOCK"], base["topk_warps"])]
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.dtype in (torch.int32, torch.int64):
+        return bool((got == want).float().mean() >= 0.99)  # near-ties may swap at the k-th score
+    fin = torch.isfinite(want)
+    if not torch.equal(fin, torch.isfinite(got)):
+        return False
+    return bool(((got[fin].float() - want[fin].float()).abs().max() <= 2e-2 * want[fin].float().abs().max()).item())
+
+
+def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: float, target_ms: float, log) -> list:
+    dev = copies[0][0].device
+    want = run(copies[0], configs[0]).clone()
+    rows = []
+    for i, cfg in enumerate(configs):
+        row = dict(sweep=name, config=cfg, default=i == 0)
+        try:
+            ok = _same(run(copies[0], cfg), want)
+            row["matches_default"] = ok
+            if ok:
+                t = time_calls([functools.partial(run, a, cfg) for a in copies], dev, target_ms)
+                row.update(time_us=t.us, fraction=floor_us / t.us)
+        except Exception as e:  # a config that does not compile or launch: report and go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        shown = {k: v for k, v in cfg.items() if k not in ("BLOCK_D", "BLOCK_HI", "BLOCK_DI", "KPAD")}
+        log(f"  [{i + 1:>2}/{len(configs)}] {name:<20} {shown} -> "
+            + (f"{row['time_us']:8.2f} us  {100 * row['fraction']:5.1f}% of floor" if "time_us" in row
+               else row.get("error", "output differs from the default config")))
+    best = sorted((r for r in rows if "time_us" in r), key=lambda r: r["time_us"])[:3]
+    for r in best:
+        log(f"  best {name}: {r['time_us']:.2f} us ({100 * r['fraction']:.1f}%) {r['config']}")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/sweep.json")
+    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk"], default=["attention", "scores", "topk"])
+    p.add_argument("--batches", type=int, nargs="+", default=[64])
+    p.add_argument("--target-ms", type=float, default=30.0)
+    p.add_argument("--tiny", action="store_true", help="tiny widths on the CPU under TRITON_INTERPRET=1 (a smoke run)")
+    args = p.parse_args(argv)
+    global CTX, FLASH, PRO
+    if args.tiny:
+        CTX, FLASH, PRO = 256, C.TINY["flash"], C.TINY["pro"]
+    elif not torch.cuda.is_available():
+        print("sweep_kernels: needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    rows: list = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    for B in args.batches:
+        if "attention" in args.only:
+            for d, variant in ((FLASH, "csa"), (PRO, "csa"), (FLASH, "hca")):
+                case = C.sparse_attention_case(d, variant, B, CTX, d.name)
+                copies = _copies(case, dev)
+                entries = d.window + (d.topk if variant == "csa" else CTX // d.hca_ratio)
+
+                def run_attn(a, cfg):
+                    return sa.sparse_attention(*a, config=cfg)
+
+                configs = _attention_configs(B, d.heads, d.head_dim, entries)
+                if (d, variant) != (FLASH, "csa"):  # the other shapes: the default and the 8 best of Flash CSA
+                    flash = sorted((r for r in rows if r["sweep"] == f"attention flash csa B={B}" and "time_us" in r),
+                                   key=lambda r: r["time_us"])[:8]
+                    configs = [configs[0]] + [dict(configs[0], **{k: r["config"][k] for k in
+                                              ("BLOCK_N", "num_stages", "num_warps", "NUM_SPLITS")}) for r in flash]
+                rows += sweep(f"attention {d.name} {variant} B={B}", run_attn, configs, copies,
+                              rl.floor_us(case.cost), args.target_ms, log)
+                del copies
+                torch.cuda.empty_cache()
+                out.write_text(json.dumps(rows, indent=1))
+        if {"scores", "topk"} & set(args.only):
+            case = C.indexer_topk_case(FLASH, B, CTX, "flash")
+            copies = _copies(case, dev)
+            q, w, keys, vis, k = copies[0]
+            base = ix.indexer_config(B, 1, q.shape[2], q.shape[3], keys.shape[1], k)
+            if "scores" in args.only:
+                scores_floor = B * keys.shape[1] * keys.shape[2] * keys.element_size() / 4.3e6  # keys read once, us
+                rows += sweep(f"indexer_scores B={B}", lambda a, cfg: ix.indexer_scores(*a[:4], config=cfg),
+                              _scores_configs(base), copies, scores_floor, args.target_ms, log)
+            if "topk" in args.only:
+                scored = [(ix.indexer_scores(*a[:4]), a[3], a[4]) for a in copies]
+
+                def run_topk(a, cfg):
+                    s, v, kk = a
+                    o = torch.empty((*v.shape, kk), dtype=torch.int32, device=s.device)
+                    return ix.topk_from_scores(s, v, kk, o, dict(base, **cfg))
+
+                rows += sweep(f"topk B={B}", run_topk, _topk_configs(base), scored, rl.floor_us(case.cost),
+                              args.target_ms, log)
+                # the whole op at the best scores + top-k configs, against the whole op's floor
+                best = {}
+                for kind in ("indexer_scores", "topk"):
+                    cand = sorted((r for r in rows if r["sweep"] == f"{kind} B={B}" and "time_us" in r),
+                                  key=lambda r: r["time_us"])
+                    if cand:
+                        best.update(cand[0]["config"])
+                rows += sweep(f"indexer_topk B={B}", lambda a, cfg: ix.indexer_topk(*a, config=cfg),
+                              [base, dict(base, **best)], copies, rl.floor_us(case.cost), args.target_ms, log)
+            del copies
+            torch.cuda.empty_cache()
+            out.write_text(json.dumps(rows, indent=1))
+    out.write_text(json.dumps(rows, indent=1))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
