@@ -6,6 +6,7 @@
 #   spec    = speculative-step benchmark (benchmarks/bench_spec.py)
 #   profile = kernels of one CUDA-graphed decode and k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (python -m dsv4_ops bench --quick); ops-full = whole grid
+#   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py)
 # One device call runs at most 10 minutes: `tests bench` fits in one call, `spec profile ops` in
 # another (H200, cold caches). Uses the machine's torch (2.11+cu130); carried wheels in .whl/
 # (transformers>=5.23, expecttest) go to /tmp/site. Logs and results land in $OUT (or ./out).
@@ -37,9 +38,10 @@ for what in "$@"; do
     spec) (cd benchmarks && python3 bench_spec.py --out "$OUT/bench_spec.json") 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
     profile) (cd benchmarks && python3 profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json") 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
+    sweep) python3 benchmarks/sweep_kernels.py --batches 64 1 --out "$OUT/sweep.json" 2>&1 | quiet | tee "$OUT/sweep.log" | grep -e best -e rror || rc=1 ;;
     ops) python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | quiet | tail -30 || rc=1 ;;
     ops-full) python3 -m dsv4_ops bench --out "$OUT/bench_ops" 2>&1 | quiet | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full|sweep)"; rc=2 ;;
   esac
 done
 exit $rc
