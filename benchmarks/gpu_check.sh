@@ -38,7 +38,9 @@ for what in "$@"; do
     spec) (cd benchmarks && python3 bench_spec.py --out "$OUT/bench_spec.json") 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
     profile) (cd benchmarks && python3 profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json") 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
-    sweep) python3 benchmarks/sweep_kernels.py --batches 64 1 --out "$OUT/sweep.json" 2>&1 | quiet | tee "$OUT/sweep.log" | grep -e best -e rror || rc=1 ;;
+    sweep) { python3 benchmarks/sweep_kernels.py --batches 64 --out "$OUT/sweep_b64.json" &&
+             python3 benchmarks/sweep_kernels.py --batches 1 --only scores topk --out "$OUT/sweep_b1.json"; } 2>&1 \
+             | quiet | tee "$OUT/sweep.log" | grep -e best -e rror || rc=1 ;;
     ops) python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | quiet | tail -30 || rc=1 ;;
     ops-full) python3 -m dsv4_ops bench --out "$OUT/bench_ops" 2>&1 | quiet | tail -60 || rc=1 ;;
     *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full|sweep)"; rc=2 ;;
