@@ -61,8 +61,11 @@ def _scores_configs(base: dict) -> list[dict]:
 
 
 def _topk_configs(base: dict) -> list[dict]:
-    return [base] + [dict(base, TOPK_BLOCK=blk, topk_warps=w) for blk in (1024, 2048, 4096, 8192)
-                     for w in (4, 8, 16) if (blk, w) != (base["TOPK_BLOCK"], base["topk_warps"])]
+    """The row-in-registers kernel's digit width / ordering / warps, and the looped kernel."""
+    row = [dict(base, TOPK_BITS=bits, RANK_SORT=rank, topk_warps=w) for bits in (8, 4) for rank in (False, True)
+           for w in (8, 16)]
+    looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, topk_warps=8)]
+    return [base] + [c for c in row + looped if c != base]
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -164,11 +167,12 @@ def main(argv=None) -> int:
                               args.target_ms, log)
                 # the whole op at the best scores + top-k configs, against the whole op's floor
                 best = {}
-                for kind in ("indexer_scores", "topk"):
+                for kind, keys_of in (("indexer_scores", ("BLOCK_N", "CHUNK", "num_warps", "num_stages")),
+                                      ("topk", ("TOPK_ROW", "TOPK_BITS", "RANK_SORT", "TOPK_BLOCK", "topk_warps"))):
                     cand = sorted((r for r in rows if r["sweep"] == f"{kind} B={B}" and "time_us" in r),
                                   key=lambda r: r["time_us"])
                     if cand:
-                        best.update(cand[0]["config"])
+                        best.update({key: cand[0]["config"][key] for key in keys_of})
                 rows += sweep(f"indexer_topk B={B}", lambda a, cfg: ix.indexer_topk(*a, config=cfg),
                               [base, dict(base, **best)], copies, rl.floor_us(case.cost), args.target_ms, log)
             del copies

@@ -22,7 +22,7 @@ N, P, HALF = 16, 80, 8  # pool entries, rope rows, rope pairs
 
 # Every kernel the step below must launch (by @triton.jit function name). The split-KV
 # combine_kernel only runs for some static sizes, so it is not required.
-KERNELS = ("plan_kernel", "cache_write_kernel", "compress_kernel", "indexer_scores_kernel", "topk_kernel",
+KERNELS = ("plan_kernel", "cache_write_kernel", "compress_kernel", "indexer_scores_kernel", "topk_row_kernel",
            "sparse_attention_kernel")
 
 

@@ -188,10 +188,21 @@ def _indexer_inputs(B, S, HI, DI, N, dtype, integer=False, visible=None, weights
     return q, w, keys, visible
 
 
-def _run_topk(poison, q, w, keys, visible, topk):
+# the top-k paths: row in registers (default: 8-bit digits + bitonic sort; 4-bit digits +
+# ordering by rank counting) and the looped kernel for rows past TOPK_ROW (several blocks)
+TOPK_PATHS = {"row": {}, "row_bits4_rank": dict(TOPK_BITS=4, RANK_SORT=True, RANK_CHUNK=8),
+              "looped": dict(TOPK_ROW=0, TOPK_BLOCK=16)}
+
+
+@pytest.fixture(params=list(TOPK_PATHS))
+def topk_path(request):
+    return TOPK_PATHS[request.param]
+
+
+def _run_topk(poison, q, w, keys, visible, topk, config=None):
     out = poison(torch.empty(*visible.shape, topk, dtype=torch.int32, device=DEVICE))
     scores = poison(torch.empty(*visible.shape, keys.shape[1], dtype=torch.float32, device=DEVICE))
-    got = indexer.indexer_topk(q, w, keys, visible, topk, out=out, scores=scores)
+    got = indexer.indexer_topk(q, w, keys, visible, topk, out=out, scores=scores, config=config)
     assert got is out
     return got
 
@@ -227,6 +238,10 @@ def test_indexer_config_fills_the_gpu_from_static_sizes():
     assert big["CHUNK"] == 1024 and 64 * (8192 // big["CHUNK"]) >= 4 * 132 * 0.9
     assert one["CHUNK"] == one["BLOCK_N"] == 64
     assert indexer.indexer_config(B=4096, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["CHUNK"] == 2048
+    # top-k: rows up to 16K scores in registers on CUDA (16 warps past 8K); ROCm keeps the looped kernel
+    assert big["TOPK_ROW"] == 16384 and big["topk_warps"] == 8
+    assert indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=16384, topk=512)["topk_warps"] == 16
+    assert indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=8192, topk=512, backend="hip")["TOPK_ROW"] == 0
 
 
 INDEXER_CASES = {
@@ -243,46 +258,46 @@ INDEXER_CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(INDEXER_CASES))
-def test_indexer_topk_matches_reference_exactly(case, dtype, poison):
+def test_indexer_topk_matches_reference_exactly(case, dtype, poison, topk_path):
     """Integer-valued inputs: exact scores with many ties, so indices must match exactly
     (order by descending score, ties to the lower index, -1 after min(topk, visible))."""
     B, S, HI, DI, N, topk, vis = INDEXER_CASES[case]
     visible = None if vis is None else torch.tensor(vis, dtype=torch.int32, device=DEVICE)
     q, w, keys, visible = _indexer_inputs(B, S, HI, DI, N, dtype, integer=True, visible=visible)
-    got = _run_topk(poison, q, w, keys, visible, topk)
+    got = _run_topk(poison, q, w, keys, visible, topk, topk_path)
     want = ref.indexer_topk(q, w, keys, visible, topk)
     assert got.dtype == torch.int32 and got.shape == want.shape
     assert torch.equal(got, want)
 
 
-def test_indexer_topk_ties_at_negative_zero(poison):
+def test_indexer_topk_ties_at_negative_zero(poison, topk_path):
     """All-negative weights make every all-ReLU-zero entry score -0.0: one big tie group that
     must be broken by index exactly like the stable sort (which treats -0.0 == +0.0)."""
     B, S, HI = 2, 2, 4
     w = -torch.randint(1, 3, (B, S, HI), device=DEVICE).float()
     q, w, keys, visible = _indexer_inputs(B, S, HI, 16, 48, torch.float32, integer=True, weights=w)
     visible = torch.full_like(visible, 48)
-    got = _run_topk(poison, q, w, keys, visible, 24)
+    got = _run_topk(poison, q, w, keys, visible, 24, topk_path)
     assert torch.equal(got, ref.indexer_topk(q, w, keys, visible, 24))
 
 
-def test_indexer_topk_all_invisible_and_empty_pool(poison):
+def test_indexer_topk_all_invisible_and_empty_pool(poison, topk_path):
     q, w, keys, visible = _indexer_inputs(2, 2, 4, 32, 20, torch.float32, visible=None)
     visible = torch.zeros_like(visible)
-    assert torch.equal(_run_topk(poison, q, w, keys, visible, 8), torch.full((2, 2, 8), -1, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(_run_topk(poison, q, w, keys, visible, 8, topk_path), torch.full((2, 2, 8), -1, dtype=torch.int32, device=DEVICE))
     empty = keys[:, :0]
-    got = _run_topk(poison, q, w, empty, visible + 3, 8)
+    got = _run_topk(poison, q, w, empty, visible + 3, 8, topk_path)
     assert torch.equal(got, ref.indexer_topk(q, w, empty, visible + 3, 8))
 
 
-def test_indexer_topk_random_scores(poison):
+def test_indexer_topk_random_scores(poison, topk_path):
     """Random fp32 inputs: the picks are exactly the stable top-k of the kernel's own scores,
     and their reference scores match the reference picks' scores (summation order may differ)."""
     q, w, keys, visible = _indexer_inputs(2, 2, 8, 32, 300, torch.float32)
     visible[0, 0] = 300
     topk = 64
     scores = indexer.indexer_scores(q, w, keys, visible)
-    got = _run_topk(poison, q, w, keys, visible, topk)
+    got = _run_topk(poison, q, w, keys, visible, topk, topk_path)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
     rank = torch.arange(topk, device=DEVICE)
     expect = torch.where(rank < visible[..., None], order, -1).to(torch.int32)

@@ -28,7 +28,7 @@ EXPECTED = [
     ("cache_write_kernel", ["cache_ptr"]),
     ("cache_write_kernel", ["cache_ptr"]),
     ("indexer_scores_kernel", ["out_ptr"]),
-    ("topk_kernel", ["out_ptr"]),
+    ("topk_row_kernel", ["out_ptr"]),  # rows of up to 16K scores; longer rows: topk_kernel
     ("sparse_attention_kernel", ["out_ptr"]),  # CSA: window + picks, one pass
     ("sparse_attention_kernel", ["part_acc_ptr", "part_l_ptr", "part_m_ptr"]),  # HCA: split-KV partials
     ("combine_kernel", ["out_ptr"]),

@@ -22,7 +22,7 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
 
 
-key_kernels("dsv4::indexer_topk", "indexer", ("indexer_scores_kernel", "topk_kernel"))
+key_kernels("dsv4::indexer_topk", "indexer", ("indexer_scores_kernel", "topk_row_kernel", "topk_kernel"))
 
 
 def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:

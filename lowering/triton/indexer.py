@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2, sm_count
+from ._launch import backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
-           "indexer_config"]
+           "topk_row_kernel", "indexer_config"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -171,24 +171,119 @@ def topk_kernel(
     tl.store(out_row + j * so_k, tl.where(picked, idx, -1), mask=j < TOPK)
 
 
+@triton.jit
+def _pack(key, idx):
+    """uint64 ``key << 32 | ~index``: descending order = score descending, then index ascending."""
+    return (key.to(tl.uint64) << 32) | _not32(idx.to(tl.uint32)).to(tl.uint64)
+
+
+@triton.jit
+def topk_row_kernel(
+    scores_ptr, vis_ptr, out_ptr,
+    S, N, TOPK,
+    ss_b, ss_s, ss_n,
+    sv_b, sv_s,
+    so_b, so_s, so_k,
+    ROW: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr, RANK_SORT: tl.constexpr,
+    RANK_CHUNK: tl.constexpr,
+):
+    """``topk_kernel`` for rows of at most ``ROW`` scores, with the row held in registers.
+
+    The row is read once; the radix select uses ``BITS``-bit digits (cheaper histograms for
+    smaller digits, more passes) and stops as soon as the threshold's digit bin holds exactly
+    the picks still needed. With ``RANK_SORT`` the picks are ordered by counting, for each,
+    the picks that beat it (``RANK_CHUNK`` at a time) instead of a bitonic sort.
+    """
+    pid_t = tl.program_id(0)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
+    vis = tl.minimum(tl.maximum(vis, 0), N)
+    k_eff = tl.minimum(vis, TOPK)
+    row = scores_ptr + b * ss_b + s * ss_s
+    out_row = out_ptr + b * so_b + s * so_s
+
+    offs = tl.arange(0, ROW)
+    live = offs < vis
+    key = _ordered_key(tl.load(row + offs * ss_n, mask=live, other=0.0))
+
+    # 1. radix select over the candidates (entries whose known high bits equal prefix)
+    NB: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.full([], 0, tl.uint32)
+    known = tl.full([], 0, tl.uint32)
+    k_rem = k_eff
+    cand = live
+    done = k_eff == 0
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        if not done:
+            shift: tl.constexpr = 32 - BITS * (p + 1) if 32 - BITS * (p + 1) > 0 else 0
+            digit = ((key >> shift) & (NB - 1)).to(tl.int32)
+            hist = tl.histogram(digit, NB, mask=cand)
+            at_least = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= d
+            d_star = tl.sum((at_least >= k_rem).to(tl.int32), 0) - 1
+            k_rem -= tl.sum(tl.where(bins > d_star, hist, 0), 0)
+            done = k_rem == tl.sum(tl.where(bins == d_star, hist, 0), 0)  # the whole bin is picked
+            prefix = prefix | (d_star.to(tl.uint32) << shift)
+            known = known | tl.full([], (NB - 1) << shift, tl.uint32)
+            cand = cand & (digit == d_star)
+
+    # 2. compaction: above the threshold bin, plus the first k_rem candidates by index
+    high = key & known
+    eq = (live & (high == prefix)).to(tl.int32)
+    sel = ((live & (high > prefix)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < k_rem))).to(tl.int32)
+    slot = tl.cumsum(sel, 0) - sel
+    tl.store(out_row + slot * so_k, offs, mask=sel != 0)
+    tl.debug_barrier()  # the compacted indices are re-read by other threads
+
+    # 3. order the k_eff picks: score descending, then index ascending
+    j = tl.arange(0, KPAD)
+    picked = j < k_eff
+    idx = tl.load(out_row + j * so_k, mask=picked, other=0)
+    packed = tl.where(picked, _pack(_ordered_key(tl.load(row + idx.to(tl.int64) * ss_n, mask=picked, other=0.0)), idx),
+                      tl.zeros([KPAD], tl.uint64))
+    if RANK_SORT:
+        rank = tl.zeros([KPAD], tl.int32)
+        for c in tl.static_range(KPAD // RANK_CHUNK):
+            jc = c * RANK_CHUNK + tl.arange(0, RANK_CHUNK)
+            pc = jc < k_eff
+            ic = tl.load(out_row + jc * so_k, mask=pc, other=0)
+            packed_c = tl.where(pc, _pack(_ordered_key(tl.load(row + ic.to(tl.int64) * ss_n, mask=pc, other=0.0)), ic),
+                                tl.zeros([RANK_CHUNK], tl.uint64))
+            rank += tl.sum((packed_c[None, :] > packed[:, None]).to(tl.int32), 1)
+        tl.debug_barrier()
+        tl.store(out_row + rank * so_k, idx, mask=picked)
+        tl.store(out_row + j * so_k, tl.full([KPAD], -1, tl.int32), mask=(j >= k_eff) & (j < TOPK))
+    else:
+        packed = tl.sort(packed, descending=True)
+        idx = _not32(packed.to(tl.uint32)).to(tl.int32)
+        tl.debug_barrier()
+        tl.store(out_row + j * so_k, tl.where(picked, idx, -1), mask=j < TOPK)
+
+
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132) -> dict:
+def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
+                   backend: str = "cuda") -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
 
     Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
     program loops over ``CHUNK`` entries with its ``q`` loaded once and the key loads
     pipelined; ``CHUNK`` is sized so that the grid is about ``4 * sms`` programs (short
     rows or few tokens get small chunks, so the GPU still fills).
-    Top-k: one program per row; ``TOPK_BLOCK`` scores per step of its passes.
+    Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 64K context)
+    take ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``topk_warps``
+    warps); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes).
     """
     block_n = 64
+    row = max(16, next_pow2(N))
     per_program = -(-(B * S * N) // (4 * sms))
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
-                TOPK_BLOCK=1024, KPAD=max(16, next_pow2(topk)), topk_warps=4)
+                TOPK_ROW=0 if backend == "hip" else 16384, TOPK_BITS=8, RANK_SORT=False, RANK_CHUNK=32,
+                TOPK_BLOCK=4096, KPAD=max(16, next_pow2(topk)), topk_warps=16 if row > 8192 else 8)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
@@ -202,7 +297,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, v
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out
-    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device)), **(config or {})}
+    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend()), **(config or {})}
     launch(
         indexer_scores_kernel, (B * S, -(-N // cfg["CHUNK"])),
         q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
@@ -219,12 +314,16 @@ def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out
                      *, wrap: bool = False) -> torch.Tensor:
     """The top-k pass alone, over precomputed ``[B, S, N]`` scores (``cfg``: ``indexer_config``)."""
     B, S, N = scores.shape
-    launch(
-        topk_kernel, (B * S,),
-        scores, visible, out, S, N, topk,
-        *scores.stride(), *visible.stride(), *out.stride(),
-        BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["topk_warps"], wrap=wrap,
-    )
+    args = (scores, visible, out, S, N, topk, *scores.stride(), *visible.stride(), *out.stride())
+    if N <= cfg["TOPK_ROW"]:
+        kpad, warps = cfg["KPAD"], cfg["topk_warps"]
+        # rank counting compares [KPAD, RANK_CHUNK] pairs at a time: <= 16 per thread
+        chunk = max(1, min(cfg["RANK_CHUNK"], kpad, 16 * 32 * warps // kpad))
+        launch(topk_row_kernel, (B * S,), *args, ROW=max(16, next_pow2(N)), KPAD=kpad, BITS=cfg["TOPK_BITS"],
+               RANK_SORT=bool(cfg["RANK_SORT"]), RANK_CHUNK=chunk, num_warps=warps, wrap=wrap)
+    else:
+        launch(topk_kernel, (B * S,), *args, BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"],
+               num_warps=cfg["topk_warps"], wrap=wrap)
     return out
 
 
@@ -246,6 +345,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vis
     if N == 0:
         out.fill_(-1)
         return out
-    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device)), **(config or {})}
+    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
+           **(config or {})}
     scores = indexer_scores(q, weights, keys, visible, out=scores, config=cfg, wrap=wrap)
     return topk_from_scores(scores, visible, topk, out, cfg, wrap=wrap)
