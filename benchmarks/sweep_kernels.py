@@ -61,10 +61,9 @@ def _scores_configs(base: dict) -> list[dict]:
 
 
 def _topk_configs(base: dict) -> list[dict]:
-    """The row-in-registers kernel's digit width / ordering / warps, and the looped kernel."""
-    row = [dict(base, TOPK_BITS=bits, RANK_SORT=rank, topk_warps=w) for bits in (8, 4) for rank in (False, True)
-           for w in (8, 16)]
-    looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, topk_warps=8)]
+    """The row-in-registers kernel's digit width and warps, and the looped kernel."""
+    row = [dict(base, TOPK_BITS=bits, row_warps=w) for bits in (3, 4, 5, 6, 8) for w in (8, 16)]
+    looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, loop_warps=8)]
     return [base] + [c for c in row + looped if c != base]
 
 
@@ -168,7 +167,7 @@ def main(argv=None) -> int:
                 # the whole op at the best scores + top-k configs, against the whole op's floor
                 best = {}
                 for kind, keys_of in (("indexer_scores", ("BLOCK_N", "CHUNK", "num_warps", "num_stages")),
-                                      ("topk", ("TOPK_ROW", "TOPK_BITS", "RANK_SORT", "TOPK_BLOCK", "topk_warps"))):
+                                      ("topk", ("TOPK_ROW", "TOPK_BITS", "row_warps", "TOPK_BLOCK", "loop_warps"))):
                     cand = sorted((r for r in rows if r["sweep"] == f"{kind} B={B}" and "time_us" in r),
                                   key=lambda r: r["time_us"])
                     if cand:
