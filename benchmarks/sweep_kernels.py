@@ -60,8 +60,11 @@ def _scores_configs(base: dict) -> list[dict]:
     return out
 
 
-def _topk_configs(base: dict) -> list[dict]:
-    """The row-in-registers kernel's digit width and warps, and the looped kernel."""
+def _topk_configs(base: dict, n: int) -> list[dict]:
+    """The row-in-registers kernel's digit width and warps, and the looped kernel (rows of
+    ``n`` scores; past the default TOPK_ROW, the row kernel is tried with a wider row)."""
+    if n > base["TOPK_ROW"]:
+        return [base] + [dict(base, TOPK_ROW=n, TOPK_BITS=bits, row_warps=16) for bits in (4, 5)]
     row = [dict(base, TOPK_BITS=bits, row_warps=w) for bits in (3, 4, 5, 6, 8) for w in (8, 16)]
     looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, loop_warps=8)]
     return [base] + [c for c in row + looped if c != base]
@@ -107,9 +110,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk"], default=["attention", "scores", "topk"])
     p.add_argument("--batches", type=int, nargs="+", default=[64])
     p.add_argument("--target-ms", type=float, default=30.0)
+    p.add_argument("--ctx", type=int, default=CTX, help="context of every case (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="tiny widths on the CPU under TRITON_INTERPRET=1 (a smoke run)")
     args = p.parse_args(argv)
     global CTX, FLASH, PRO
+    CTX = args.ctx
     if args.tiny:
         CTX, FLASH, PRO = 256, C.TINY["flash"], C.TINY["pro"]
     elif not torch.cuda.is_available():
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
                     o = torch.empty((*v.shape, kk), dtype=torch.int32, device=s.device)
                     return ix.topk_from_scores(s, v, kk, o, dict(base, **cfg))
 
-                rows += sweep(f"topk B={B}", run_topk, _topk_configs(base), scored, rl.floor_us(case.cost),
+                rows += sweep(f"topk B={B}", run_topk, _topk_configs(base, keys.shape[1]), scored, rl.floor_us(case.cost),
                               args.target_ms, log)
                 # the whole op at the best scores + top-k configs, against the whole op's floor
                 best = {}
