@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk"], default=["attention", "scores", "topk"])
     p.add_argument("--batches", type=int, nargs="+", default=[64])
     p.add_argument("--target-ms", type=float, default=30.0)
-    p.add_argument("--ctx", type=int, default=CTX, help="context of every case (default: %(default)s)")
+    p.add_argument("--ctx", type=int, default=32768, help="context of every case (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="tiny widths on the CPU under TRITON_INTERPRET=1 (a smoke run)")
     args = p.parse_args(argv)
     global CTX, FLASH, PRO
