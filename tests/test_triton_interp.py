@@ -188,8 +188,8 @@ def _indexer_inputs(B, S, HI, DI, N, dtype, integer=False, visible=None, weights
     return q, w, keys, visible
 
 
-# the top-k paths: row in registers (default 4-bit digits; 8-bit; 3-bit, whose last pass
-# re-reads a known bit) and the looped kernel for rows past TOPK_ROW (several blocks)
+# the top-k paths: row in registers (default 5-bit digits, whose last pass re-reads known
+# bits; 8-bit; 3-bit) and the looped kernel for rows past TOPK_ROW (several blocks)
 TOPK_PATHS = {"row": {}, "row_bits8": dict(TOPK_BITS=8), "row_bits3": dict(TOPK_BITS=3),
               "looped": dict(TOPK_ROW=0, TOPK_BLOCK=16)}
 
@@ -238,8 +238,8 @@ def test_indexer_config_fills_the_gpu_from_static_sizes():
     assert big["CHUNK"] == 2048 and 64 * (8192 // big["CHUNK"]) >= 2 * 132 * 0.9
     assert one["CHUNK"] == one["BLOCK_N"] == 64
     assert indexer.indexer_config(B=4096, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["CHUNK"] == 2048
-    # top-k: rows up to 16K scores in registers on CUDA; ROCm keeps the looped kernel
-    assert big["TOPK_ROW"] == 16384 and big["TOPK_BITS"] == 4
+    # top-k: rows up to 32K scores (128K context) in registers on CUDA; ROCm keeps the looped kernel
+    assert big["TOPK_ROW"] == 32768 and big["TOPK_BITS"] == 5
     assert indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=8192, topk=512, backend="hip")["TOPK_ROW"] == 0
 
 

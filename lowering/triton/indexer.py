@@ -266,18 +266,21 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     rows or few tokens get small chunks, so the GPU still fills). H200 sweep (B=64, 32K):
     CHUNK 2048 36.0 us (87% of the keys' bytes floor), 1024 37.1 us, 64 (one block per
     program) 43.4 us; B=1: CHUNK 64 3.8 us, 1024 10.7 us.
-    Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 64K context)
+    Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 128K context)
     take ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps``
-    warps; H200, 8192 scores, k=512: 4-bit digits x 16 warps 27.5 us at B=64 and 22.2 us at
-    B=1, 8-bit 32.3 / 25.5 us, the looped kernel 34.3 / 34.2 us); longer rows
-    ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes, ``loop_warps`` warps).
+    warps); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
+    ``loop_warps`` warps). H200 sweeps (``benchmarks/sweep_kernels.py``), top-k pass alone,
+    k=512, B=64 / B=1: 8192 scores: 5-bit digits x 16 warps 24.2 / 18.6 us, 4-bit 24.9 /
+    22.2 us, 8-bit 32.3 / 25.5 us, the looped kernel 34.3 / 34.2 us; 32768 scores (past 16K
+    the row kernel keeps part of the row on the stack, and is still faster): 5-bit 74.6 /
+    64.5 us, 4-bit 123.3 / 82.4 us, the looped kernel 118.8 / 118.7 us.
     """
     block_n = 64
     per_program = -(-(B * S * N) // (2 * sms))
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
-                TOPK_ROW=0 if backend == "hip" else 16384, TOPK_BITS=4,
+                TOPK_ROW=0 if backend == "hip" else 32768, TOPK_BITS=5,
                 row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)))
 
 
