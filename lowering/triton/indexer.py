@@ -274,6 +274,9 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     22.2 us, 8-bit 32.3 / 25.5 us, the looped kernel 34.3 / 34.2 us; 32768 scores (past 16K
     the row kernel keeps part of the row on the stack, and is still faster): 5-bit 74.6 /
     64.5 us, 4-bit 123.3 / 82.4 us, the looped kernel 118.8 / 118.7 us.
+    ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
+    without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
+    at 32K scores, and neither is timed on AMD hardware.
     """
     block_n = 64
     per_program = -(-(B * S * N) // (2 * sms))
