@@ -265,7 +265,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     warps); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
     ``loop_warps`` warps). H200 sweeps (``benchmarks/sweep_kernels.py``), top-k pass alone,
     k=512, B=64 / B=1: 8192 scores: 5-bit digits x 16 warps 24.2 / 18.6 us, 4-bit 24.9 /
-    22.2 us, 8-bit 32.3 / 25.5 us, the looped kernel 34.3 / 34.2 us; 32768 scores (past 16K
+    19.4 us, 8-bit 28.3 / 21.7 us, the looped kernel 34.3 / 34.1 us; 32768 scores (past 16K
     the row kernel keeps part of the row on the stack, and is still faster): 5-bit 74.6 /
     64.5 us, 4-bit 123.3 / 82.4 us, the looped kernel 118.8 / 118.7 us.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
