@@ -108,17 +108,6 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _topk_row(scores_ptr, vis_ptr, out_ptr, S, N, TOPK, ss_b, ss_s, sv_b, sv_s, so_b, so_s):
-    """This program's query row: visible entries (clamped to the pool), picks, row pointers."""
-    pid_t = tl.program_id(0)
-    b = (pid_t // S).to(tl.int64)
-    s = (pid_t % S).to(tl.int64)
-    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
-    vis = tl.minimum(tl.maximum(vis, 0), N)
-    return vis, tl.minimum(vis, TOPK), scores_ptr + b * ss_b + s * ss_s, out_ptr + b * so_b + s * so_s
-
-
-@triton.jit
 def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr):
     """Sort the ``k_eff`` compacted indices in ``out_row`` by score descending, then index
     ascending, and fill slots ``k_eff .. TOPK`` with -1. The indices are packed with their
@@ -145,7 +134,16 @@ def topk_kernel(
     so_b, so_s, so_k,
     BLOCK: tl.constexpr, KPAD: tl.constexpr,
 ):
-    vis, k_eff, row, out_row = _topk_row(scores_ptr, vis_ptr, out_ptr, S, N, TOPK, ss_b, ss_s, sv_b, sv_s, so_b, so_s)
+    # (inline, not a helper returning pointers: Triton's mutation analysis would then count
+    # scores and visible as written, and Inductor would clone them before every launch)
+    pid_t = tl.program_id(0)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
+    vis = tl.minimum(tl.maximum(vis, 0), N)
+    k_eff = tl.minimum(vis, TOPK)
+    row = scores_ptr + b * ss_b + s * ss_s
+    out_row = out_ptr + b * so_b + s * so_s
 
     # 1. radix select: threshold key T (prefix) and r = entries equal to T still needed
     prefix = tl.full([], 0, tl.uint32)
@@ -204,7 +202,16 @@ def topk_row_kernel(
     threshold's digit bin holds exactly the picks still needed, which also makes the
     compaction one prefix sum instead of two (no tie rank needed).
     """
-    vis, k_eff, row, out_row = _topk_row(scores_ptr, vis_ptr, out_ptr, S, N, TOPK, ss_b, ss_s, sv_b, sv_s, so_b, so_s)
+    # (inline, not a helper returning pointers: Triton's mutation analysis would then count
+    # scores and visible as written, and Inductor would clone them before every launch)
+    pid_t = tl.program_id(0)
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
+    vis = tl.minimum(tl.maximum(vis, 0), N)
+    k_eff = tl.minimum(vis, TOPK)
+    row = scores_ptr + b * ss_b + s * ss_s
+    out_row = out_ptr + b * so_b + s * so_s
 
     offs = tl.arange(0, ROW)
     live = offs < vis
