@@ -7,7 +7,10 @@
 #   profile = kernels of one CUDA-graphed decode and k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (python -m dsv4_ops bench --quick); ops-full = whole grid
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
-#             sweep-indexer = the indexer part only
+#             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
+#             sweep-attention-small = its split count at B=1, 16
+#   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
+#             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
 # One device call runs at most 10 minutes: `tests bench` fits in one call, `spec profile ops` in
 # another (H200, cold caches). Uses the machine's torch (2.11+cu130); carried wheels in .whl/
 # (transformers>=5.23, expecttest) go to /tmp/site. Logs and results land in $OUT (or ./out).
@@ -47,9 +50,20 @@ for what in "$@"; do
     sweep) { python3 benchmarks/sweep_kernels.py --batches 64 --out "$OUT/sweep_b64.json" &&
              python3 benchmarks/sweep_kernels.py --batches 1 --only scores topk --out "$OUT/sweep_b1.json"; } 2>&1 \
              | quiet | tee "$OUT/sweep.log" | grep -e best -e rror || rc=1 ;;
+    sweep-attention) python3 benchmarks/sweep_kernels.py --batches 64 128 --only attention --out "$OUT/sweep_attn.json" 2>&1 \
+             | quiet | tee "$OUT/sweep_attn.log" | grep -e best -e rror || rc=1 ;;
+    sweep-attention-small) python3 benchmarks/sweep_kernels.py --batches 1 16 --only attention --out "$OUT/sweep_attn_small.json" \
+             2>&1 | quiet | tee "$OUT/sweep_attn_small.log" | grep -e best -e rror || rc=1 ;;
+    ncu) kernels='regex:sparse_attention_kernel|combine_kernel|indexer_scores_kernel|topk_row_kernel'
+         ncu --clock-control none -k "$kernels" --launch-skip 4 --launch-count 4 --set full -f -o "$OUT/ncu_kernels" \
+             python3 benchmarks/ncu_kernels.py > "$OUT/ncu.log" 2>&1 || { rc=1; tail -20 "$OUT/ncu.log"; }
+         ncu -i "$OUT/ncu_kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+         ncu -i "$OUT/ncu_kernels.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_sass.csv.gz"
+         grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
+              -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
     ops) python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | quiet | tail -30 || rc=1 ;;
     ops-full) python3 -m dsv4_ops bench --out "$OUT/bench_ops" 2>&1 | quiet | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full|sweep|sweep-indexer)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -39,12 +39,16 @@ def _copies(case: C.Case, dev: torch.device) -> list[tuple]:
 def _attention_configs(B: int, H: int, D: int, entries: int) -> list[dict]:
     base = sa.attention_config(B, 1, H, D, entries)
     out = [base]
-    for bn, stages, warps in [(32, 3, 8), (32, 4, 8), (32, 5, 8), (16, 4, 8), (16, 6, 8), (64, 2, 8), (64, 3, 8),
-                              (32, 3, 16), (32, 5, 16), (16, 6, 16), (64, 3, 16)]:
-        for splits in (1, 2, 3, 4) if (bn, stages, warps) in ((32, 3, 8), (32, 5, 8)) else (1, 2):
-            cfg = dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps, NUM_SPLITS=splits)
-            if cfg != base:
-                out.append(cfg)
+    if B < 64:  # small batches: the split count is what matters
+        grid = [(32, 4, 8, sp) for sp in (1, 2, 3, 4, 6, 8, 10, 12, 16)] + [(32, 3, 8, sp) for sp in (2, 4, 8)]
+    else:
+        grid = [(32, st, 8, sp) for st in (2, 3, 4, 5) for sp in (1, 2, 3, 4)]
+        grid += [(16, st, 8, sp) for st in (4, 6) for sp in (1, 2)] + [(64, 2, 8, sp) for sp in (1, 2)]
+        grid += [(32, 4, 16, sp) for sp in (1, 2)]
+    for bn, stages, warps, splits in grid:
+        cfg = dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps, NUM_SPLITS=splits)
+        if cfg != base:
+            out.append(cfg)
     return out
 
 

@@ -143,9 +143,18 @@ def sparse_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # The entry indices are read one block ahead and carried into the next iteration, so
+    # the row gather's address depends on no load of its own iteration: Triton's pipeliner
+    # then treats the gather as a direct load and keeps num_stages - 1 blocks of rows in
+    # flight (with the index load inside the iteration it counts one level of indirection
+    # and keeps one).
+    v_next = lo + tl.arange(0, BLOCK_N)
+    idx_next = _entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
     for start in range(lo, hi, BLOCK_N):
-        v = start + tl.arange(0, BLOCK_N)
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        v = v_next
+        idx = idx_next
+        v_next = v + BLOCK_N
+        idx_next = _entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
         rows, valid = _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d)
         e = tl.load(rows, mask=valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT)
@@ -174,14 +183,16 @@ def combine_kernel(
     so_b, so_s, so_h, so_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """Merge the split partials of one token and head block into the single softmax."""
+    """Merge the split partials of one token, head block and column block into the single
+    softmax (columns are split too, so a batch-1 decode still spreads over many SMs)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
+    pid_d = tl.program_id(2)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
 
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -236,7 +247,7 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
         block_h = min(max(16, next_pow2(H)), 32 if hip else 64)
         block_n = 16 if hip else 32
         num_warps = 8 if (not hip and block_h * block_d >= 64 * 256) else 4
-        num_stages = 1 if hip else 3
+        num_stages = 1 if hip else 4
     else:
         block_h = min(max(16, next_pow2(H)), 64)
         block_n = 32 if hip else 64
@@ -320,10 +331,11 @@ def sparse_attention(
     )
     if splits > 1:
         block_h_c = min(16, max(1, next_pow2(H)))
+        block_d_c = min(128, cfg["BLOCK_D"])
         launch(
-            combine_kernel, (B * S, -(-H // block_h_c)),
+            combine_kernel, (B * S, -(-H // block_h_c), -(-D // block_d_c)),
             part_m, part_l, part_acc, sink, out, S, H, *out.stride(),
-            D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=block_h_c, NUM_SPLITS=splits,
+            D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits,
             num_warps=4, wrap=wrap,
         )
     return out
