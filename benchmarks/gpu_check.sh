@@ -11,6 +11,7 @@
 #             sweep-attention-small = its split count at B=1, 16
 #   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
 #             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
+#             + where the samples fall (benchmarks/ncu_summary.py)
 # One device call runs at most 10 minutes: `tests bench` fits in one call, `spec profile ops` in
 # another (H200, cold caches). Uses the machine's torch (2.11+cu130); carried wheels in .whl/
 # (transformers>=5.23, expecttest) go to /tmp/site. Logs and results land in $OUT (or ./out).
@@ -59,6 +60,7 @@ for what in "$@"; do
              python3 benchmarks/ncu_kernels.py > "$OUT/ncu.log" 2>&1 || { rc=1; tail -20 "$OUT/ncu.log"; }
          ncu -i "$OUT/ncu_kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
          ncu -i "$OUT/ncu_kernels.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_sass.csv.gz"
+         python3 benchmarks/ncu_summary.py "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
          grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
     ops) python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | quiet | tail -30 || rc=1 ;;

@@ -22,12 +22,21 @@ Design (H200 decode first):
   ``combine_kernel`` merges them (sink added once there). Same single-softmax result.
 
 Measured on the H200 (bf16, H=64, D=512, CUDA-graph timing, floor = max(bytes / 4.3 TB/s,
-flops / 790 TFLOP/s)): CSA 32K context (W=128 + K=512 entries) B=64 54 us = 22% of the
-floor, B=128 81 us = 29%; HCA 128K (128 + 1024 entries) B=64 84 us = 23%, B=128 137 us =
-29%. Short of the 60% target: one 255-register program fills an SM and Triton's pipeliner
-keeps at most one gathered block in flight, so each 32-row block costs ~3.5 us of
-serialized gather latency + QK + softmax + PV. (A hand-rolled register prefetch of the
-next block was slower.) The torch reference takes 6.2 ms at CSA B=64.
+flops / 790 TFLOP/s)): CSA 32K context (W=128 + K=512 entries) B=64 47.7 us = 25% of the
+floor, B=128 76 us = 31%; HCA 128K (128 + 1024 entries) B=64 69 us = 28%, B=128 119 us =
+33%; B=1 CSA 19 us (the torch reference: 6.2 ms at CSA B=64, 165 us at B=1). Short of the
+60% target. Nsight Compute (``benchmarks/gpu_check.sh ncu``, CSA B=64) puts 74% of the
+samples in the loop, 15% in the prologue (q, the first index and row loads) and 11% in the
+epilogue (the fp32 partials); in the loop about 30% of all samples issue or wait on the
+q @ e^T wgmma: Triton gives a dot whose result feeds another dot the layout that puts all
+8 warps on M, so with 64 heads both warpgroups compute the same [64, 32] scores, as
+m64n16k16 steps that each re-read their 2 KB slice of q from shared memory (320 KB of
+shared-memory reads a block, ~2500 cycles at 128 B/cycle). Each 32-row block costs ~2.9 us. What would remove it: the
+two warpgroups scoring different halves of the block, or q as a register operand, which
+needs control over warp layout (warp specialisation, FlashMLA-style) that Triton 3.6's
+``tl`` does not give for pointer gathers. (Tried: computing q @ e^T one block ahead, so the
+chained-dot layout rule does not apply -- the dot then splits over both warpgroups, but
+ptxas serialises its wgmma steps and the rows are gathered twice: 58 vs 47 us.)
 """
 from __future__ import annotations
 
@@ -230,9 +239,11 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
     (the launcher uses ``W + K`` for CSA (``K > 0``) and ``W + Nc`` otherwise).
     ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma).
 
-    D = 512 (V4): sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 3 stages: wgmma, 255 regs, no
-    spills, ~131 KB shared, so ONE program per SM; fastest of the configs swept on the H200
-    (BLOCK_H 16/32/64, BLOCK_N 16/32, stages 1-6). gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``,
+    D = 512 (V4): sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages (3 row blocks in
+    flight): wgmma, 255 regs, no spills, ~197 KB shared, so ONE program per SM; 3 and 4
+    stages are the fastest configs swept on the H200 (BLOCK_N 16/32/64 x stages 2-6 x warps
+    8/16 x splits 1-16; ``benchmarks/results/h200_sweep_attention_*``), 4 compiles without a
+    stack frame. gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``,
     4 warps, 1 stage: no VGPR/SGPR spills in the cross-compile (``BLOCK_H=64`` spills);
     not timed on AMD hardware.
 
