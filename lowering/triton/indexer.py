@@ -134,8 +134,9 @@ def topk_kernel(
     so_b, so_s, so_k,
     BLOCK: tl.constexpr, KPAD: tl.constexpr,
 ):
-    # (inline, not a helper returning pointers: Triton's mutation analysis would then count
-    # scores and visible as written, and Inductor would clone them before every launch)
+    # (inline, not a helper: torch's mutation analysis of a Triton kernel counts every
+    # pointer passed to a called function as written -- even a helper that only loads
+    # visible and returns scalars -- and Inductor would clone it before every launch)
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -202,8 +203,9 @@ def topk_row_kernel(
     threshold's digit bin holds exactly the picks still needed, which also makes the
     compaction one prefix sum instead of two (no tie rank needed).
     """
-    # (inline, not a helper returning pointers: Triton's mutation analysis would then count
-    # scores and visible as written, and Inductor would clone them before every launch)
+    # (inline, not a helper: torch's mutation analysis of a Triton kernel counts every
+    # pointer passed to a called function as written -- even a helper that only loads
+    # visible and returns scalars -- and Inductor would clone it before every launch)
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
