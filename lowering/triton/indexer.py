@@ -134,9 +134,10 @@ def topk_kernel(
     so_b, so_s, so_k,
     BLOCK: tl.constexpr, KPAD: tl.constexpr,
 ):
-    # (inline, not a helper: torch's mutation analysis of a Triton kernel counts every
-    # pointer passed to a called function as written -- even a helper that only loads
-    # visible and returns scalars -- and Inductor would clone it before every launch)
+    # (inline, not a helper: with the prologue in a helper -- one returning the row
+    # pointers, or even one only loading visible and returning scalars -- torch's mutation
+    # analysis counted its pointer arguments as written (test_triton_op_trace), and
+    # Inductor would clone those tensors before every launch)
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -203,9 +204,10 @@ def topk_row_kernel(
     threshold's digit bin holds exactly the picks still needed, which also makes the
     compaction one prefix sum instead of two (no tie rank needed).
     """
-    # (inline, not a helper: torch's mutation analysis of a Triton kernel counts every
-    # pointer passed to a called function as written -- even a helper that only loads
-    # visible and returns scalars -- and Inductor would clone it before every launch)
+    # (inline, not a helper: with the prologue in a helper -- one returning the row
+    # pointers, or even one only loading visible and returning scalars -- torch's mutation
+    # analysis counted its pointer arguments as written (test_triton_op_trace), and
+    # Inductor would clone those tensors before every launch)
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
