@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-gpu setup clean
+.PHONY: demo test test-gpu setup clean runner
 .DEFAULT_GOAL := test
 
 setup: $(STAMP)
@@ -39,3 +39,21 @@ test-gpu: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# C++ runner for exported .pt2 packages (csrc/runner): build/dsv4_run, against the libtorch of
+# the venv's torch (set up first), or of RUNNER_PY's torch when given (`make runner RUNNER_PY=python3`
+# on a machine whose torch is installed already, e.g. the GPU box). Configures once (again only when
+# the torch install changes); `cmake --build` is a no-op when nothing changed. Uses $(VENV)/bin/cmake
+# when the venv has one, else cmake from PATH.
+RUNNER_BUILD := build/runner
+RUNNER_PY ?=
+runner:
+	@[ -n "$(RUNNER_PY)" ] || $(MAKE) --no-print-directory setup
+	@py=$(or $(RUNNER_PY),$(PY)); \
+	cm=$$( [ -x $(VENV)/bin/cmake ] && echo $(VENV)/bin/cmake || command -v cmake ) || { echo "[runner] cmake not found"; exit 1; }; \
+	prefix=$$($$py -c "import torch; print(torch.utils.cmake_prefix_path)") || exit 1; \
+	if ! grep -qF "CMAKE_PREFIX_PATH:UNINITIALIZED=$$prefix" $(RUNNER_BUILD)/CMakeCache.txt 2>/dev/null; then \
+	  $$cm -S csrc/runner -B $(RUNNER_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$$prefix" \
+	    -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(CURDIR)/build" >/dev/null || exit 1; \
+	fi; \
+	$$cm --build $(RUNNER_BUILD) -j $$(nproc)

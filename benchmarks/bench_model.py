@@ -1,28 +1,60 @@
-"""Model-level benchmark: decode step latency (eager / compiled / compiled + CUDA graphs) and
-prefill tokens/s for the "bench config" (V4-Flash widths, 2 layers: one HCA, one CSA),
-next to HF transformers eager, with the step's bytes-moved floor.
+"""Model-level benchmark through the public path (DESIGN.md §6): what a user calls.
 
-Decode is measured at a synthetic context: the static cache is filled with random values
-and every row's length set to the context, so no 32K-token prefill is needed (a decode
-step's cost depends on lengths and shapes, not on the cached values). HF is measured after
-a real (chunked) prefill, since its cache grows by concatenation.
+    gen = dsv4_ops.Generator(model, max_batch_size=B, max_seq_len=N, compile=True)   # CUDA graphs on
+    gen.prefill(prompts)                       # list[list[int]]
+    gen.decode(next_ids)                       # LongTensor[B] on the device
 
-    python benchmarks/bench_model.py --out results.json [--batches 1 32] [--contexts 4096 16384 32768]
+Per batch size B (one Generator each): prefill tokens/s (several samples of the same prompts,
+each call timed alone), then for each context: ``prefill`` B prompts of that many random tokens
+(the real cache, once; its wall time is in the row), then ``decode`` timed back to back (CUDA
+events around each public call, median of ``--iters`` after ``--warmup``; the first call
+compiles). ``--modes`` picks the Generator flavours (``graphs`` = the default compile=True,
+``compiled`` = compile=True, cuda_graphs=False, ``eager`` = compile=False); ``--compare-at``
+adds eager and compiled at a few points. HF transformers' ``DeepseekV4ForCausalLM`` (eager;
+under torch.compile it recompiles every step) is timed the same way after a chunked prefill.
+``--aoti`` times the AOTInductor path instead: ``dsv4_ops.export(model, path, max_batch_size=B,
+max_seq_len=N, prefill_chunk=C)`` then ``dsv4_ops.AOTIGenerator(path)``, same prefill / decode.
+
+Bytes floor of a decode step (4.3 TB/s; ``floor_parts``): each weight the step must read once --
+the routed experts its B tokens are expected to pick (not all experts), the embedding rows it
+gathers, no MTP block -- plus each row's KV read once (window, CSA top-k entries + every visible
+indexer key, every visible HCA entry).
+
+Config: the "bench config" (V4-Flash widths, 2 layers: HCA + CSA, 8 experts top-2; bf16, random
+weights). The default grid -- graphs at batch 1, 8, 64 x context 4K, 32K, eager and compiled at
+1 x 4K, HF at 1 x 4K, 1 x 32K, 8 x 4K -- takes about 4-5 minutes on an H200 with cold compile
+caches (6 graphs compiles of ~20 s, 2.4M prefill tokens at batch 64, HF <= 60 s).
+
+    python3 benchmarks/bench_model.py --out out/bench_model.json              # GPU box (gpu_check.sh bench)
+    python3 benchmarks/bench_model.py --aoti --batches 1 8 --out out/aoti.json # AOTI (gpu_check.sh aoti)
+    python3 benchmarks/bench_model.py --smoke --out /tmp/bench_model.json     # tiny config, eager, CPU: seconds
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import gc
 import json
-import statistics
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from dsv4_ops import DSV4Config, Generator
-from dsv4_ops.demo import random_model
-from dsv4_ops.ops._validate import trusted_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
 
-HBM_BYTES_PER_S = 4.3e12  # measured copy bandwidth of the H200 (DESIGN.md §6)
+from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
+from benchmarks.timing import first_call_s, time_call  # noqa: E402
+from dsv4_ops import DSV4Config, Generator  # noqa: E402
+from benchmarks.random_weights import bench_model as random_model  # noqa: E402
+
+MODES = {"graphs": dict(compile=True), "compiled": dict(compile=True, cuda_graphs=False), "eager": dict(compile=False)}
+DECODE_SLACK = 256  # max_seq_len headroom past the longest context: warm-up + timed decode calls
+TIMING = ("CUDA events around each public call (decode: back to back, as a generation loop; prefill: each call "
+          "alone), median after warm-up; CPU: wall clock")
 
 
 def bench_config(layers: int = 2) -> DSV4Config:
@@ -38,199 +70,300 @@ def bench_config(layers: int = 2) -> DSV4Config:
     )  # fmt: skip
 
 
-def cuda_time_ms(fn, iters: int = 30, warmup: int = 3) -> float:
-    """Median of per-call CUDA-event times (ms)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+# ---- bytes floor ------------------------------------------------------------------------------
+def routed_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of distinct experts that ``tokens`` tokens route to, each picking ``top_k``
+    of ``n_experts`` uniformly: ``E * (1 - (1 - k/E)^T)`` (``k`` for one token, -> ``E``)."""
+    if n_experts <= 0 or tokens <= 0:
+        return 0.0
+    return n_experts * (1 - (1 - top_k / n_experts) ** tokens)
 
 
-def param_bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def is_routed_expert(name: str) -> bool:
+    """HF names: ``...mlp.experts.gate_up_proj`` / ``down_proj`` (not ``mlp.shared_experts.*``)."""
+    return ".experts." in f".{name}"
 
 
-def decode_floor_bytes(model, cfg: DSV4Config, B: int, ctx: int) -> int:
-    """Bytes a decode step must move at least: every weight it reads once (the dense MoE reads
-    all experts) + each row's KV read once: window, CSA top-k entries + all visible indexer
-    keys, HCA all visible entries."""
-    weights = param_bytes(model.parameters()) - param_bytes([model.model.embed_tokens.weight])
-    weights -= param_bytes(model.mtp.parameters())  # only speculative steps read it
-    e = model.dtype.itemsize
+def weight_read_bytes(named_params, cfg: DSV4Config, tokens: int) -> tuple[int, float, float]:
+    """``(dense bytes, routed-expert bytes, experts read per layer)`` that ``tokens`` tokens read."""
+    named_params = list(named_params)
+    dense = sum(p.nbytes for n, p in named_params if not is_routed_expert(n))
+    all_experts = sum(p.nbytes for n, p in named_params if is_routed_expert(n))
+    read = routed_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens)
+    return dense, all_experts * read / max(cfg.n_routed_experts, 1), read
+
+
+def kv_bytes_per_row(cfg: DSV4Config, ctx: int, elem: int) -> int:
+    """KV one row's step reads at context ``ctx``: every layer its window; CSA its top-k
+    compressed entries and every visible indexer key; HCA every visible compressed entry."""
     kv = 0
     for t in cfg.layer_types:
-        kv += cfg.sliding_window * cfg.head_dim * e
+        kv += min(cfg.sliding_window, ctx) * cfg.head_dim * elem
         if t == "compressed_sparse_attention":
             n = ctx // cfg.csa_ratio
-            kv += min(cfg.index_topk, n) * cfg.head_dim * e + n * cfg.index_head_dim * e
+            kv += min(cfg.index_topk, n) * cfg.head_dim * elem + n * cfg.index_head_dim * elem
         elif t == "heavily_compressed_attention":
-            kv += (ctx // cfg.hca_ratio) * cfg.head_dim * e
-    return weights + B * kv
+            kv += (ctx // cfg.hca_ratio) * cfg.head_dim * elem
+    return kv
 
 
-def synthetic_context(gen: Generator, B: int, ctx: int) -> None:
-    for st in gen.cache.states:
-        for t in gen.cache.tensors(st):
-            t.normal_(0, 0.5)
-    gen._bucket, gen._host_lengths = B, [ctx] * B
+def floor_parts(model, cfg: DSV4Config, batch: int, ctx: int, tokens_per_row: int = 1) -> dict:
+    """Bytes a step of ``tokens_per_row`` tokens per row must read at least (main model only):
+    ``weights`` (every non-expert weight once, the LM head included), ``experts`` (the routed
+    experts' expected share), ``embed`` (the gathered rows), ``kv``; ``total``; ``floor_ms``."""
+    embed = model.model.embed_tokens.weight
+    main = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.") and p is not embed]
+    tokens = batch * tokens_per_row
+    dense, experts, read = weight_read_bytes(main, cfg, tokens)
+    parts = dict(weights=dense, experts=experts, experts_read=read,
+                 embed=tokens * embed.shape[-1] * embed.element_size(),
+                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize))
+    parts["total"] = int(round(parts["weights"] + parts["experts"] + parts["embed"] + parts["kv"]))
+    parts["floor_ms"] = parts["total"] / HBM_BYTES_PER_S * 1e3
+    return parts
 
 
-def bench_decode(model, cfg, B: int, contexts: list[int], log) -> list[dict]:
-    """One generator (and one compile) per batch size, sized for the longest context; each
-    context is a different ``lengths`` value. The Triton kernels loop over a row's valid
-    entries only, so a step's cost follows its lengths, not the cache capacity."""
-    gen = Generator(model, max_batch_size=B, max_seq_len=max(contexts) + 256, compile=False)
-    synthetic_context(gen, B, max(contexts))
-    ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
-    n_new = torch.ones(B, dtype=torch.int32, device="cuda")
-    compiled = torch.compile(gen._decode_step, fullgraph=True, dynamic=False)
-    out = []
+def decode_floor_bytes(model, cfg: DSV4Config, batch: int, ctx: int) -> int:
+    return floor_parts(model, cfg, batch, ctx)["total"]
+
+
+# ---- engines ----------------------------------------------------------------------------------
+def aoti_api():
+    """``(dsv4_ops.export, dsv4_ops.AOTIGenerator)``, or SystemExit naming what is missing."""
+    import dsv4_ops
+
+    missing = [n for n in ("export", "AOTIGenerator") if not hasattr(dsv4_ops, n)]
+    if missing:
+        raise SystemExit(f"bench_model --aoti: dsv4_ops.{' and dsv4_ops.'.join(missing)} not in this checkout")
+    return dsv4_ops.export, dsv4_ops.AOTIGenerator
+
+
+def make_engine(model, mode: str, batch: int, max_seq_len: int, chunk: int, workdir: Path | None) -> tuple:
+    """``(engine, setup dict)``: a ``Generator`` in ``mode``, or for ``"aoti"`` an exported and
+    loaded ``AOTIGenerator`` (the setup dict has ``export_s`` and ``load_s``)."""
+    if mode != "aoti":
+        return Generator(model, max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk,
+                         **MODES[mode]), {}
+    export, AOTIGenerator = aoti_api()
+    scratch = workdir is None  # a temp dir, removed once the engine is released
+    path = Path(workdir or tempfile.mkdtemp(prefix="dsv4_bench_aoti_")) / f"bench_b{batch}.pt2"
+    t0 = time.perf_counter()
+    export(model, str(path), max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk)
+    export_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = AOTIGenerator(str(path))
+    return engine, dict(export_s=export_s, load_s=time.perf_counter() - t0, package=None if scratch else str(path),
+                        _scratch=str(path.parent) if scratch else None)
+
+
+def release(device: torch.device) -> None:
+    """Between engines: drop compiled code and CUDA-graph pools, as a fresh process would."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, log) -> tuple[list[dict], dict]:
+    """One engine at batch ``batch``: its prefill row and one decode row per context."""
+    dev = model.device
+    prompt_len = args.prefill_len if batch == 1 else max(args.prefill_len // 4, 1)
+    chunk = args.prefill_chunk or (512 if batch == 1 else 64)
+    max_seq_len = max(contexts + [prompt_len]) + DECODE_SLACK
+    rng = torch.Generator().manual_seed(1000 + batch)
+
+    def prompts(n: int) -> list[list[int]]:
+        return torch.randint(0, cfg.vocab_size, (batch, n), generator=rng).tolist()
+
+    engine, setup = make_engine(model, mode, batch, max_seq_len, chunk, args.aoti_dir)
+    scratch = setup.pop("_scratch", None)
+    if setup:
+        log(f"  {mode} B={batch}: export {setup['export_s']:.0f} s, load {setup['load_s']:.1f} s")
+    p = prompts(prompt_len)
+    first = first_call_s(lambda: engine.prefill(p), dev)  # compiles (Generator) / first run (AOTI)
+    t = time_call(lambda: engine.prefill(p), dev, warmup=1, iters=args.prefill_samples, sync_each=True)
+    prefill = dict(mode=mode, batch=batch, prompt=prompt_len, chunk=chunk, ms=t.ms, samples=t.samples,
+                   method=t.method, tokens_per_s=batch * prompt_len / t.ms * 1e3, first_call_s=first, **setup)
+    log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {chunk}): {prefill['tokens_per_s']:.0f} tok/s "
+        f"({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
+    rows = []
     for ctx in contexts:
-        res = {"batch": B, "context": ctx}
-
-        def reset():
-            gen.lengths.fill_(ctx)
-
-        reset()
-        with torch.no_grad(), trusted_inputs():  # eager without the host-syncing value checks
-            res["eager_ms"] = cuda_time_ms(lambda: gen._decode_step(ids, n_new), iters=10)
-        t0 = time.perf_counter()
-        reset()
-        with torch.no_grad():
-            compiled(ids, n_new)  # compiles on the first context only
-        torch.cuda.synchronize()
-        res["first_call_s"] = time.perf_counter() - t0
-        reset()
-        with torch.no_grad():
-            res["compiled_ms"] = cuda_time_ms(lambda: compiled(ids, n_new))
-        # explicit capture of the compiled step (static ids / n_new buffers, static cache)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), torch.no_grad():
-            for _ in range(2):
-                compiled(ids, n_new)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.no_grad():
-            compiled(ids, n_new)
-        reset()
-        res["graphed_ms"] = cuda_time_ms(graph.replay, iters=50)
-        floor = decode_floor_bytes(model, cfg, B, ctx)
-        res["floor_ms"] = floor / HBM_BYTES_PER_S * 1e3
-        res["floor_fraction"] = res["floor_ms"] / res["graphed_ms"]
-        log(f"  decode B={B} ctx={ctx}: eager {res['eager_ms']:.2f} ms, compiled {res['compiled_ms']:.2f} ms "
-            f"(first call {res['first_call_s']:.0f} s), compiled+graphs {res['graphed_ms']:.3f} ms; "
-            f"floor {res['floor_ms']:.3f} ms ({res['floor_fraction']:.0%} of it)")
-        out.append(res)
-        del graph
-    return out
+        p = prompts(ctx)
+        ctx_prefill = first_call_s(lambda: engine.prefill(p), dev)
+        ids = torch.randint(0, cfg.vocab_size, (batch,), generator=rng).to(dev)
+        first = first_call_s(lambda: engine.decode(ids), dev)  # the first decode compiles
+        t = time_call(lambda: engine.decode(ids), dev, warmup=args.warmup, iters=args.iters)
+        floor = floor_parts(model, cfg, batch, ctx)
+        row = dict(mode=mode, batch=batch, context=ctx, ms=t.ms, wall_ms=t.wall_ms, samples=t.samples,
+                   warmup=args.warmup, method=t.method, floor_ms=floor["floor_ms"], floor_bytes=floor["total"],
+                   experts_read=floor["experts_read"], floor_fraction=floor["floor_ms"] / t.ms,
+                   first_call_s=first, context_prefill_s=ctx_prefill)
+        rows.append(row)
+        log(f"  {mode} decode B={batch} ctx={ctx}: {t.ms:.3f} ms (median of {t.samples}; wall {t.wall_ms:.3f} ms/"
+            f"call), floor {row['floor_ms']:.4g} ms = {row['floor_fraction']:.0%}; first call {first:.1f} s, "
+            f"context prefill {ctx_prefill:.1f} s")
+    del engine
+    release(dev)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows, prefill
 
 
-def bench_prefill(model, cfg, B: int, prompt_len: int, chunk: int, log) -> dict:
-    gen = Generator(model, max_batch_size=B, max_seq_len=prompt_len + 16, compile=True, cuda_graphs=False,
-                    prefill_chunk=chunk)
-    prompts = [torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist() for _ in range(B)]
-    t0 = time.perf_counter()
-    gen.prefill([p[:chunk] for p in prompts])  # compile
-    torch.cuda.synchronize()
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    gen.prefill(prompts)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    res = {"batch": B, "prompt": prompt_len, "chunk": chunk, "tokens_per_s": B * prompt_len / wall,
-           "compile_s": compile_s}
-    log(f"  prefill B={B} x {prompt_len} (chunk {chunk}): {res['tokens_per_s']:.0f} tok/s")
-    return res
-
-
-def bench_hf(cfg, B: int, ctx: int, log, chunk: int = 2048) -> dict:
-    """HF transformers eager decode step after a chunked prefill (bf16, same config)."""
+def bench_hf(cfg, batch: int, ctx: int, dtype, device, args, log, chunk: int) -> dict:
+    """HF transformers eager decode step after a chunked prefill (same config, random weights)."""
     from transformers import DeepseekV4ForCausalLM as HF
 
     torch.manual_seed(0)
     hcfg = cfg.to_hf(attn_implementation="eager")
     hcfg._experts_implementation = "eager"
-    with torch.device("cuda"):
-        hf = HF(hcfg).to(dtype=torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (B, ctx), device="cuda")
+    with torch.device(device):
+        hf = HF(hcfg).to(dtype=dtype).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device=device)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        def run(x, cache):
-            out = hf(input_ids=x, cache=cache, use_cache=True)
-            return getattr(out, "cache", None) or out.past_key_values
+    state = {}
 
-        cache = run(ids[:, :chunk], None)
-        for j in range(chunk, ctx, chunk):
-            cache = run(ids[:, j : j + chunk], cache)
+    def run(x) -> None:
+        out = hf(input_ids=x, cache=state.get("cache"), use_cache=True)
+        state["cache"] = getattr(out, "cache", None) or out.past_key_values
+
+    with torch.no_grad():
+        for j in range(0, ctx, chunk):
+            run(ids[:, j: j + chunk])
+        prefill_s = time.perf_counter() - t0
         tok = ids[:, -1:]
-        times = []
-        for _ in range(8):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            cache = run(tok, cache)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    res = {"batch": B, "context": ctx, "hf_eager_ms": statistics.median(times[2:])}
-    log(f"  HF eager B={B} ctx={ctx}: {res['hf_eager_ms']:.2f} ms (prefill + timing {time.perf_counter() - t0:.0f} s)")
-    del hf, cache
-    torch.cuda.empty_cache()
+        t = time_call(lambda: run(tok), device, warmup=2, iters=args.hf_iters)
+    res = dict(batch=batch, context=ctx, ms=t.ms, samples=t.samples, method=t.method, prefill_s=prefill_s)
+    log(f"  HF eager decode B={batch} ctx={ctx}: {t.ms:.2f} ms (median of {t.samples}; prefill {prefill_s:.0f} s)")
+    del hf, state
+    release(torch.device(device))
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
-    ap.add_argument("--hf-points", nargs="*", default=["1x4096", "1x16384", "1x32768", "32x4096"],
-                    help="BATCHxCONTEXT points for HF transformers eager (each needs a real prefill)")
-    ap.add_argument("--hf-budget-s", type=float, default=120.0,
-                    help="start no further HF point once this much time went to HF")
-    ap.add_argument("--prefill", type=int, default=4096)
-    ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "hf"], choices=["decode", "prefill", "hf"])
-    args = ap.parse_args()
+def point(s: str) -> tuple[int, int]:
+    """``"8x4096"`` -> ``(8, 4096)``."""
+    b, _, c = s.lower().partition("x")
+    return int(b), int(c)
 
-    def log(msg: str) -> None:
-        print(msg, flush=True)
 
-    cfg = bench_config()
-    model = random_model(cfg, dtype=torch.bfloat16, device="cuda")
-    model.set_max_positions(max(args.contexts) + 512)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "prefill": [],
-               "hf": []}
-    log(f"bench config on {results['device']}, torch {torch.__version__}")
-    for B in args.batches if "decode" in args.parts else []:
-        results["decode"] += bench_decode(model, cfg, B, args.contexts, log)
-        json.dump(results, open(args.out, "w"), indent=1)
-    for B in args.batches if "prefill" in args.parts else []:
-        prompt = args.prefill if B == 1 else args.prefill // 4
-        results["prefill"].append(bench_prefill(model, cfg, B, prompt, 512 if B == 1 else 64, log))
-        json.dump(results, open(args.out, "w"), indent=1)
+def summary(results: dict) -> list[str]:
+    """One markdown table: every decode row next to HF at the same point."""
+    hf = {(r["batch"], r["context"]): r.get("ms") for r in results["hf"]}
+    lines = ["| mode | batch | context | ms | floor ms | floor reached | HF eager ms | vs HF |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["decode"]:
+        h = hf.get((r["batch"], r["context"]))
+        hf_ms, vs = ("–", "–") if h is None else (f"{h:.2f}", f"{h / r['ms']:.1f}×")
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['floor_fraction']:.0%} | {hf_ms} | {vs} |")
+    return lines
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON results (rewritten after every row)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 64 (smoke: 1 2)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="default: 4096 32768 (smoke: 40)")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=None,
+                    help="Generator flavours over the whole grid (default: graphs; smoke: eager)")
+    ap.add_argument("--compare-at", nargs="*", default=None, metavar="BxCTX",
+                    help="points where --compare-modes are also timed (default: 1x4096; smoke: none)")
+    ap.add_argument("--compare-modes", nargs="+", choices=list(MODES), default=["eager", "compiled"])
+    ap.add_argument("--hf-points", nargs="*", default=None, metavar="BxCTX",
+                    help="HF transformers eager points (default: 1x4096 1x32768 8x4096; smoke: none)")
+    ap.add_argument("--hf-budget-s", type=float, default=60.0, help="start no further HF point after this much HF time")
+    ap.add_argument("--hf-iters", type=int, default=6)
+    ap.add_argument("--prefill-len", type=int, default=None,
+                    help="prefill prompt tokens at batch 1 (a quarter of it per row at batch > 1; default 4096)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: 512 at batch 1, else 64")
+    ap.add_argument("--prefill-samples", type=int, default=None, help="timed prefill calls (default 5; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="decode calls after the first (compiling) one, untimed (default 5; smoke 1)")
+    ap.add_argument("--iters", type=int, default=None, help="timed decode calls (default 50; smoke 3)")
+    ap.add_argument("--aoti", action="store_true",
+                    help="time dsv4_ops.export + dsv4_ops.AOTIGenerator instead of the Generator (no HF)")
+    ap.add_argument("--aoti-dir", type=Path, default=None, help="where the .pt2 packages go (default: a temp dir)")
+    ap.add_argument("--layers", type=int, default=2, help="main-model layers of the bench config")
+    ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager, small grid: a seconds-long check")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    defaults = dict(batches=[1, 2] if smoke else [1, 8, 64], contexts=[40] if smoke else [4096, 32768],
+                    modes=["eager"] if smoke else ["graphs"], compare_at=[] if smoke else ["1x4096"],
+                    hf_points=[] if smoke else ["1x4096", "1x32768", "8x4096"], prefill_len=24 if smoke else 4096,
+                    prefill_samples=2 if smoke else 5, warmup=1 if smoke else 5, iters=3 if smoke else 50)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if smoke:
+        args.prefill_chunk = args.prefill_chunk or 16
+    if args.aoti:
+        args.modes, args.compare_at, args.hf_points = ["aoti"], [], []
+    return args
+
+
+def main(argv=None, log=None) -> dict:
+    args = parse_args(argv)
+    log = log or (lambda msg: print(msg, flush=True))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("bench_model: no CUDA device; on CPU run the tiny --smoke grid")
+    cfg = DSV4Config.tiny() if args.smoke else bench_config(args.layers)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = random_model(cfg, dtype=dtype, device=device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv[1:] if argv is None else argv,
+                engine="aoti" if args.aoti else "generator", config="tiny" if args.smoke else "bench",
+                config_fields=dataclasses.asdict(cfg), dtype=str(dtype).removeprefix("torch."),
+                hbm_bytes_per_s=HBM_BYTES_PER_S, timing=TIMING, decode_warmup=args.warmup, decode_iters=args.iters,
+                prefill_samples=args.prefill_samples)
+    results = dict(meta=meta, decode=[], prefill=[], hf=[])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(results, indent=1))
+
+    log(f"bench_model ({meta['config']} config, {meta['engine']}) on {meta['device']}, torch {meta['torch']}")
+    jobs: dict[tuple[str, int], list[int]] = {(m, B): list(args.contexts) for m in args.modes for B in args.batches}
+    for s in args.compare_at:
+        B, ctx = point(s)
+        for m in args.compare_modes:
+            jobs.setdefault((m, B), [])
+            if ctx not in jobs[(m, B)]:
+                jobs[(m, B)].append(ctx)
+    for (mode, B), contexts in jobs.items():
+        rows, prefill = bench_engine(model, cfg, mode, B, contexts, args, log)
+        results["decode"] += rows
+        results["prefill"].append(prefill)
+        save()
     del model
-    torch.cuda.empty_cache()
+    release(device)
     t_hf = time.perf_counter()
-    for point in args.hf_points if "hf" in args.parts else []:
-        B, ctx = (int(x) for x in point.split("x"))
+    for s in args.hf_points:
+        B, ctx = point(s)
         if time.perf_counter() - t_hf > args.hf_budget_s:
             log(f"  HF B={B} ctx={ctx}: not run (HF time budget of {args.hf_budget_s:.0f} s spent)")
-            results["hf"].append({"batch": B, "context": ctx, "error": "not run: time budget"})
+            results["hf"].append(dict(batch=B, context=ctx, error="not run: time budget"))
             continue
         try:
-            results["hf"].append(bench_hf(cfg, B, ctx, log, chunk=2048 if B == 1 else 256))
+            results["hf"].append(bench_hf(cfg, B, ctx, dtype, device, args, log, chunk=2048 if B == 1 else 256))
         except Exception as e:  # keep the measured numbers even if HF fails
             log(f"  HF B={B} ctx={ctx} failed: {type(e).__name__}: {e}")
-            results["hf"].append({"batch": B, "context": ctx, "error": f"{type(e).__name__}: {e}"})
-            torch.cuda.empty_cache()
-        json.dump(results, open(args.out, "w"), indent=1)
+            results["hf"].append(dict(batch=B, context=ctx, error=f"{type(e).__name__}: {e}"))
+            release(device)
+        save()
+    save()
+    for line in summary(results):
+        log(line)
+    log(f"wrote {out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
 """Per-kernel decode benchmark of the torch.ops.dsv4 ops: Triton path vs the plain-PyTorch
-reference vs the roofline floor. Same as ``python -m dsv4_ops bench``; the logic lives in
-``dsv4_ops/bench/`` (this is only an entry point).
+reference vs the roofline floor (DESIGN.md §6). The logic lives in ``benchmarks/kernel_bench/``,
+the timer in ``benchmarks/timing.py``.
 
-    python benchmarks/bench_ops.py [--quick] [--out DIR]        # on the GPU box
-    python benchmarks/bench_ops.py --tiny --device cpu           # CPU smoke run
+    python3 benchmarks/bench_ops.py [--quick] [--out DIR]      # on the GPU box (gpu_check.sh ops / ops-full)
+    python3 benchmarks/bench_ops.py --tiny --device cpu         # CPU smoke run (seconds)
+    python3 benchmarks/bench_ops.py --from-json DIR/bench_ops.json --out DIR2   # table + plot again
 """
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without PYTHONPATH
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
 
-from dsv4_ops.bench.run import main  # noqa: E402
+from benchmarks.kernel_bench.run import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,113 +1,161 @@
-"""Speculative-step benchmark: time of one CUDA-graphed MTP speculative step (verify k+1 tokens,
-accept, MTP extend, k-1 drafts) vs one plain CUDA-graphed decode step, for k = 1..4 at batch 1
-and 16, on the bench config (benchmarks/bench_model.py) at a synthetic 4K context.
+"""Speculative decoding through the public path (DESIGN.md §6): a speculative step of
+``Generator(model, ..., spec_steps=k)`` (verify k+1 tokens, accept on device, MTP extend, k-1
+MTP drafts: one CUDA graph) vs a plain decode step of ``Generator(..., spec_steps=0)``, both
+driven by ``generate``, on the bench config (benchmarks/bench_model.py) at a ``--context``-token
+prompt.
 
-The step is a static graph: its cost does not depend on how many drafts are accepted. So
-tokens/s under full acceptance = B (k+1) / t_step, and under random acceptance = B x measured
-tokens-per-step / t_step, where tokens-per-step is counted from the replays' own ``count``
-outputs (random MTP weights against a random main model: drafts almost never match).
+A step's time, by difference: ``generate(prompts, max_new_tokens=n)`` is timed for
+``n = n_short`` and ``n_long`` (benchmarks/timing.py: CUDA events, each call alone, median of
+``--samples`` after a warm-up call), and the number of steps each call ran is read from
+``gen.stats["decode_steps"]``; prefill and every fixed per-call cost cancel:
 
-Bytes floor of a step (weights + KV read once at 4.3 TB/s): a plain step reads the main model
-once; a speculative step reads it once for the verify pass and the MTP block (+ the shared LM
-head) k times, since the k draft forwards depend on each other. Their ratio bounds how close
-to the plain step a speculative step can get on this config.
+    step_ms = (T(n_long) - T(n_short)) / (steps(n_long) - steps(n_short))
 
-    python benchmarks/bench_spec.py --out spec.json
+The speculative ``generate`` loop syncs once per step (it reads the accepted counts); the plain
+loop does not. The speculative step is a static graph, so its cost does not depend on how many
+drafts are accepted: tokens/s under full acceptance = B (k+1) / step_ms. The measured tokens per
+step and acceptance come from ``gen.stats`` (random MTP weights against a random main model:
+drafts almost never match, ~1 token per step).
+
+Bytes floor of a step (4.3 TB/s): a plain step reads the main model once (bench_model.floor_parts);
+a speculative step reads it once for the verify pass (its B (k+1) tokens route to more experts)
+plus, k times, the MTP block (its routed experts for B tokens), the shared LM head, the MTP
+window and B embedding rows -- the k draft forwards depend on each other.
+
+    python3 benchmarks/bench_spec.py --out out/bench_spec.json     # GPU box (gpu_check.sh spec), ~5 min cold
+    python3 benchmarks/bench_spec.py --smoke --out /tmp/spec.json   # tiny config, eager, CPU
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from bench_model import HBM_BYTES_PER_S, bench_config, cuda_time_ms, decode_floor_bytes, param_bytes, synthetic_context
-from dsv4_ops import Generator
-from dsv4_ops.demo import random_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
+
+from benchmarks.bench_model import MODES, bench_config, floor_parts, release, weight_read_bytes  # noqa: E402
+from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
+from benchmarks.timing import first_call_s, time_call  # noqa: E402
+from dsv4_ops import DSV4Config, Generator  # noqa: E402
+from benchmarks.random_weights import bench_model as random_model  # noqa: E402
+
+STATS = ("decode_steps", "decode_tokens", "accepted_tokens", "drafted_tokens")
 
 
-def graphed(fn, *args):
-    """Capture ``fn(*args)`` (after two warm-up calls on a side stream) as a CUDA graph ->
-    ``(graph, outputs)``; the outputs are static buffers that each replay rewrites."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.no_grad():
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
-        out = fn(*args)
-    return g, out
+def spec_floor_bytes(model, cfg: DSV4Config, batch: int, ctx: int, k: int) -> int:
+    """Main model once for the verify pass of ``k + 1`` tokens per row, plus ``k`` times the MTP
+    block (routed experts of ``batch`` tokens), the LM head, the MTP window and the embedding rows."""
+    verify = floor_parts(model, cfg, batch, ctx, tokens_per_row=k + 1)["total"]
+    mtp = [(n, p) for n, p in model.named_parameters() if n.startswith("mtp.")]
+    dense, experts, _ = weight_read_bytes(mtp, cfg, batch)
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    window = batch * cfg.sliding_window * cfg.head_dim * model.dtype.itemsize
+    per_draft = dense + experts + head.nbytes + window + batch * embed.shape[-1] * embed.element_size()
+    return int(round(verify + k * per_draft))
 
 
-def reset_spec(gen, B: int, ctx: int, ids, k: int) -> None:
-    """Every row at length ``ctx`` with next token ``ids`` and placeholder drafts (rejected)."""
-    gen.lengths.fill_(ctx)
-    gen.spec.last_tok[:B].copy_(ids)
-    gen.spec.drafts[:B].copy_(ids[:, None].expand(B, k))
+def step_cost(gen, prompts, n_short: int, n_long: int, device, samples: int) -> dict:
+    """Time of one decode / speculative step of ``gen`` from two ``generate`` lengths (above)."""
+    first = first_call_s(lambda: gen.generate(prompts, max_new_tokens=n_long), device)  # compiles
+    per: dict[int, dict] = {}
+    for n in (n_short, n_long):
+        before = {s: gen.stats.get(s, 0) for s in STATS}
+        t = time_call(lambda: gen.generate(prompts, max_new_tokens=n), device, warmup=1, iters=samples,
+                      sync_each=True)
+        per[n] = {s: (gen.stats.get(s, 0) - before[s]) / (1 + samples) for s in STATS}
+        per[n].update(ms=t.ms, samples=t.samples)
+    short, long = per[n_short], per[n_long]
+    d = {s: long[s] - short[s] for s in STATS}
+    if d["decode_steps"] <= 0:
+        raise RuntimeError(f"generate({n_long}) ran no more steps than generate({n_short}): {per}")
+    B = len(prompts)
+    return dict(step_ms=(long["ms"] - short["ms"]) / d["decode_steps"], steps_short=short["decode_steps"],
+                steps_long=long["decode_steps"], generate_short_ms=short["ms"], generate_long_ms=long["ms"],
+                tokens_per_step=d["decode_tokens"] / d["decode_steps"] / B,
+                acceptance_rate=d["accepted_tokens"] / d["drafted_tokens"] if d["drafted_tokens"] else 0.0,
+                samples=long["samples"], first_call_s=first)
 
 
-def spec_floor_bytes(model, cfg, B: int, ctx: int, k: int) -> int:
-    """Main model once (verify) + the MTP block and the shared LM head k times + its window."""
-    mtp, head = param_bytes(model.mtp.parameters()), param_bytes([model.lm_head.weight])
-    window = B * cfg.sliding_window * cfg.head_dim * model.dtype.itemsize
-    return decode_floor_bytes(model, cfg, B, ctx) + k * (mtp + head + window)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4])
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (smoke: 1)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft tokens per step (default: 1 3; smoke: 1)")
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096; smoke 24)")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=None, metavar=("N_SHORT", "N_LONG"),
+                    help="the two generate lengths (default: 8 72; smoke: 2 5)")
+    ap.add_argument("--samples", type=int, default=None, help="timed generate calls per length (default 5; smoke 1)")
     ap.add_argument("--layers", type=int, default=2,
                     help="main-model layers (2 = the bench config); deeper models shrink the MTP block's share")
-    args = ap.parse_args()
-    cfg = bench_config(args.layers)
-    model = random_model(cfg, dtype=torch.bfloat16, device="cuda")
-    ctx, res = args.context, {"device": torch.cuda.get_device_name(), "context": args.context, "layers": args.layers,
-                              "rows": []}
+    ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager: a seconds-long check")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    defaults = dict(batches=[1] if smoke else [1, 16], ks=[1] if smoke else [1, 3], context=24 if smoke else 4096,
+                    new_tokens=[2, 5] if smoke else [8, 72], samples=1 if smoke else 5)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv=None, log=None) -> dict:
+    args = parse_args(argv)
+    log = log or (lambda msg: print(msg, flush=True))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("bench_spec: no CUDA device; on CPU run the tiny --smoke grid")
+    cfg = DSV4Config.tiny() if args.smoke else bench_config(args.layers)
+    model = random_model(cfg, dtype=torch.float32 if args.smoke else torch.bfloat16, device=device)
+    mode = MODES["eager" if args.smoke else "graphs"]
+    ctx, (n_short, n_long) = args.context, args.new_tokens
+    res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                         torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                         argv=sys.argv[1:] if argv is None else argv, config="tiny" if args.smoke else "bench",
+                         layers=cfg.num_hidden_layers, generator=mode, new_tokens=[n_short, n_long],
+                         hbm_bytes_per_s=HBM_BYTES_PER_S),
+               context=ctx, layers=cfg.num_hidden_layers, rows=[])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for B in args.batches:
-        plain = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=False)
-        synthetic_context(plain, B, ctx)
-        ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
-        ones = torch.ones(B, dtype=torch.int32, device="cuda")
-        step = torch.compile(plain._decode_step, fullgraph=True, dynamic=False)
-        plain.lengths.fill_(ctx)
-        g, _ = graphed(step, ids, ones)
-        plain.lengths.fill_(ctx)
-        t_plain = cuda_time_ms(g.replay, iters=50)
-        plain_floor = decode_floor_bytes(model, cfg, B, ctx) / HBM_BYTES_PER_S * 1e3
-        print(f"B={B}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms)", flush=True)
-        del g, plain
+        prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B)).tolist()
+        chunk = 512 if B == 1 and not args.smoke else 16 if args.smoke else 64
+
+        def generator(k: int) -> Generator:
+            return Generator(model, max_batch_size=B, max_seq_len=ctx + n_long + 16, spec_steps=k,
+                             prefill_chunk=chunk, **mode)
+
+        plain = step_cost(generator(0), prompts, n_short, n_long, device, args.samples)
+        release(device)
+        plain_floor = floor_parts(model, cfg, B, ctx)["floor_ms"]
+        t_plain = plain["step_ms"]
+        log(f"B={B}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms; generate "
+            f"{plain['generate_short_ms']:.1f} / {plain['generate_long_ms']:.1f} ms for {n_short} / {n_long} tokens)")
         for k in args.ks:
-            gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 512, compile=False, spec_steps=k)
-            synthetic_context(gen, B, ctx)
-            step = torch.compile(gen.spec.step, fullgraph=True, dynamic=False)
-            reset_spec(gen, B, ctx, ids, k)
-            g, (_, counts) = graphed(step, ones)  # counts: [B] tokens each row emitted in the latest replay
-            reset_spec(gen, B, ctx, ids, k)  # replays advance lengths by count: 512 slots of headroom
-            t = cuda_time_ms(g.replay, iters=50)
-            reset_spec(gen, B, ctx, ids, k)
-            emitted = torch.zeros((), dtype=torch.long, device="cuda")
-            for _ in range(50):
-                g.replay()
-                emitted += counts.sum()
-            per_step = emitted.item() / (50 * B)
+            spec = step_cost(generator(k), prompts, n_short, n_long, device, args.samples)
+            release(device)
+            t = spec["step_ms"]
             floor = spec_floor_bytes(model, cfg, B, ctx, k) / HBM_BYTES_PER_S * 1e3
-            row = {"batch": B, "k": k, "plain_ms": t_plain, "spec_ms": t, "ratio": t / t_plain,
-                   "plain_floor_ms": plain_floor, "spec_floor_ms": floor, "floor_ratio": floor / plain_floor,
-                   "spec_floor_fraction": floor / t, "tokens_per_step_random": per_step,
-                   "tok_s_full_acceptance": B * (k + 1) / t * 1e3, "tok_s_random_acceptance": B * per_step / t * 1e3,
-                   "tok_s_plain": B / t_plain * 1e3}
+            row = dict(batch=B, k=k, context=ctx, plain_ms=t_plain, spec_ms=t, ratio=t / t_plain,
+                       plain_floor_ms=plain_floor, spec_floor_ms=floor, floor_ratio=floor / plain_floor,
+                       spec_floor_fraction=floor / t, tokens_per_step=spec["tokens_per_step"],
+                       acceptance_rate=spec["acceptance_rate"], tok_s_plain=B / t_plain * 1e3,
+                       tok_s_measured=B * spec["tokens_per_step"] / t * 1e3,
+                       tok_s_full_acceptance=B * (k + 1) / t * 1e3,
+                       plain=plain, spec=spec)
             res["rows"].append(row)
-            print(f"B={B} k={k}: spec step {t:.3f} ms = {t / t_plain:.2f}x plain (bytes floors: {floor:.3f} ms = "
-                  f"{floor / plain_floor:.2f}x plain's, {floor / t:.0%} reached); tok/s: "
-                  f"{row['tok_s_full_acceptance']:.0f} full acceptance, {row['tok_s_random_acceptance']:.0f} random "
-                  f"({per_step:.2f} tokens/step), {row['tok_s_plain']:.0f} plain", flush=True)
-            json.dump(res, open(args.out, "w"), indent=1)
-            del g, gen
+            log(f"B={B} k={k}: spec step {t:.3f} ms = {row['ratio']:.2f}x plain (bytes floors: {floor:.3f} ms = "
+                f"{row['floor_ratio']:.2f}x plain's, {row['spec_floor_fraction']:.0%} reached); tok/s: "
+                f"{row['tok_s_full_acceptance']:.0f} full acceptance, {row['tok_s_measured']:.0f} measured "
+                f"({row['tokens_per_step']:.2f} tokens/step), {row['tok_s_plain']:.0f} plain")
+            out.write_text(json.dumps(res, indent=1))
+    out.write_text(json.dumps(res, indent=1))
+    log(f"wrote {out}")
+    return res
 
 
 if __name__ == "__main__":

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # The GPU check on the GPU box (device tool):  bash benchmarks/gpu_check.sh MODE [MODE ...]
-#   tests   = every `gpu` test + the Triton kernel tests on real kernels (pytest-xdist when present)
+#   tests   = every `gpu` test (full log: $OUT/gpu_tests.log) + the Triton kernel tests on real kernels
+#             ($OUT/triton_tests.log); pytest-xdist when present
 #   demo    = python -m dsv4_ops demo (eager / compiled / CUDA graphs)
-#   bench   = model benchmark (benchmarks/bench_model.py, with HF transformers eager)
-#   spec    = speculative-step benchmark (benchmarks/bench_spec.py)
-#   profile = kernels of one CUDA-graphed decode and k=3 speculative step (benchmarks/profile_step.py)
-#   ops     = per-kernel benchmark, quick grid (python -m dsv4_ops bench --quick); ops-full = whole grid
+#   bench   = model benchmark through the public Generator (benchmarks/bench_model.py: graphs at batch 1, 8, 64 x
+#             4K, 32K, eager + compiled at 1 x 4K, HF transformers eager; ~4-5 min cold)
+#   bench-b1 = the Generator decode row at batch 1 x 4K only (the AOTI comparison point)
+#   aoti    = dsv4_ops.export + AOTIGenerator at batch 1 x 4K (bench_model.py --aoti; LD_PRELOAD set), then the C++
+#             runner build/dsv4_run on the same package (prefill 4K, 255 decode steps, CUDA graph), twice
+#   spec    = speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py; ~5 min cold)
+#   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
+#   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
 #             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
 #             sweep-attention-small = its split count at B=1, 16
 #   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
 #             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
 #             + where the samples fall (benchmarks/ncu_summary.py)
-# One device call runs at most 10 minutes: `tests bench` fits in one call, `spec profile ops` in
-# another (H200, cold caches). Uses the machine's torch (2.11+cu130); carried wheels in .whl/
-# (transformers>=5.23, expecttest) go to /tmp/site. Logs and results land in $OUT (or ./out).
+# Every mode tees its log into $OUT (or ./out) next to its JSON; $OUT/gpu.txt names the machine. The device
+# tool returns at most 8 files per call: `tests bench` (5 files) or `spec profile` (5) fit; `ops` adds 4.
+# One device call runs at most 10 minutes. Commit each run's logs under benchmarks/results/ (h200_<what>.log).
+# Uses the machine's torch (2.11+cu130); carried wheels in .whl/ (transformers>=5.23, expecttest) go to /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -42,8 +48,20 @@ for what in "$@"; do
         | tee "$OUT/triton_tests.log" | tail -3 || rc=1 ;;
     demo) python3 -m dsv4_ops demo --max-new-tokens 32 2>&1 | quiet | tee "$OUT/demo.log" || rc=1 ;;
     bench) python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" 2>&1 | quiet | tee "$OUT/bench_model.log" || rc=1 ;;
-    spec) (cd benchmarks && python3 bench_spec.py --out "$OUT/bench_spec.json") 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
-    profile) (cd benchmarks && python3 profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json") 2>&1 \
+    bench-b1) # the Generator's CUDA-graphed decode at batch 1 x 4K only (the AOTI comparison point)
+          python3 benchmarks/bench_model.py --batches 1 --contexts 4096 --compare-at --hf-points \
+            --out "$OUT/bench_model_b1.json" 2>&1 | quiet | tee "$OUT/bench_model_b1.log" || rc=1 ;;
+    aoti) # export + AOTIGenerator at batch 1 x 4K, then the C++ runner on the same package. torch 2.11: loading
+          # an AOTI package needs the system libstdc++ (newer than the one torch was linked against)
+          pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6; [ -f $pre ] || pre=
+          LD_PRELOAD=$pre python3 benchmarks/bench_model.py --aoti --batches 1 --contexts 4096 --aoti-dir /tmp/dsv4_aoti \
+            --out "$OUT/bench_model_aoti.json" 2>&1 | quiet | tee "$OUT/bench_model_aoti.log" || rc=1
+          { make runner RUNNER_PY=python3 >/dev/null &&
+            prompt=$(python3 -c "import torch; g = torch.Generator().manual_seed(1001); print(','.join(map(str, torch.randint(0, 129280, (4096,), generator=g).tolist())))") &&
+            for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" --max-new-tokens 256 >/dev/null; done; } \
+            2>&1 | tee -a "$OUT/bench_model_aoti.log" || rc=1 ;;
+    spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
+    profile) python3 benchmarks/profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json" 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
     sweep-indexer) { python3 benchmarks/sweep_kernels.py --batches 64 --only scores topk --out "$OUT/sweep_ix_b64.json" &&
              python3 benchmarks/sweep_kernels.py --batches 1 --only scores topk --out "$OUT/sweep_ix_b1.json"; } 2>&1 \
@@ -63,9 +81,9 @@ for what in "$@"; do
          python3 benchmarks/ncu_summary.py "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
          grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
-    ops) python3 -m dsv4_ops bench --quick --out "$OUT/bench_ops" 2>&1 | quiet | tail -30 || rc=1 ;;
-    ops-full) python3 -m dsv4_ops bench --out "$OUT/bench_ops" 2>&1 | quiet | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|demo|bench|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
+    ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
+    *) echo "unknown mode $what (tests|demo|bench|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

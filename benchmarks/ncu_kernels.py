@@ -3,7 +3,7 @@
     ncu --clock-control none -k regex:'sparse_attention_kernel|combine_kernel|indexer_scores_kernel|topk_row_kernel' \
         --launch-skip 4 --launch-count 4 --set full -o out/kernels python3 benchmarks/ncu_kernels.py
 
-Runs the per-kernel benchmark's V4-Flash inputs (``dsv4_ops.bench.cases``) at batch 64 and
+Runs the per-kernel benchmark's V4-Flash inputs (``benchmarks/kernel_bench/cases.py``) at batch 64 and
 context 32K: sparse attention (CSA: window 128 + top-k 512 entries; two launches, the
 attention kernel and the split-KV combine) and the indexer (scores, then top-k). ``--rounds``
 repeats the whole set: the first round compiles the kernels, so skip its 4 launches.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dsv4_ops.bench import cases as C  # noqa: E402
+from benchmarks.kernel_bench import cases as C  # noqa: E402
 from lowering.triton import indexer as ix  # noqa: E402
 from lowering.triton import sparse_attention as sa  # noqa: E402
 

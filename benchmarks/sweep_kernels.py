@@ -2,10 +2,11 @@
 
     python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk ...]
 
-For each kernel the script builds the per-kernel benchmark's inputs (``dsv4_ops.bench.cases``:
-V4-Flash widths, context 32K, L2-cold input copies), runs every config of its list, checks the
-output against the default config's (a config that computes something else is reported, not
-timed) and times it like ``python -m dsv4_ops bench`` (CUDA-graph replays, median). One line per
+For each kernel the script builds the per-kernel benchmark's inputs
+(``benchmarks/kernel_bench/cases.py``: V4-Flash widths, context 32K, L2-cold input copies), runs
+every config of its list, checks the output against the default config's (a config that computes
+something else is reported, not timed) and times it like ``benchmarks/bench_ops.py``
+(``benchmarks/timing.kernel_time``: do_bench_cudagraph, median). One line per
 config, best first at the end of each sweep; the JSON keeps every row.
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dsv4_ops.bench import cases as C  # noqa: E402
-from dsv4_ops.bench import roofline as rl  # noqa: E402
-from dsv4_ops.bench.timing import l2_bytes, rotation_copies, time_calls  # noqa: E402
+from benchmarks.kernel_bench import cases as C  # noqa: E402
+from benchmarks.kernel_bench import roofline as rl  # noqa: E402
+from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from lowering.triton import indexer as ix  # noqa: E402
 from lowering.triton import sparse_attention as sa  # noqa: E402
 
@@ -93,7 +94,7 @@ def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: fl
             ok = _same(run(copies[0], cfg), want)
             row["matches_default"] = ok
             if ok:
-                t = time_calls([functools.partial(run, a, cfg) for a in copies], dev, target_ms)
+                t = kernel_time([functools.partial(run, a, cfg) for a in copies], dev, target_ms)
                 row.update(time_us=t.us, fraction=floor_us / t.us)
         except Exception as e:  # a config that does not compile or launch: report and go on
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -25,9 +25,12 @@ _expose_checkout_lowering()
 
 from . import ops  # noqa: E402  (registers every torch.ops.dsv4 op)
 from .config import DSV4Config
+from .aoti_generator import AOTIGenerator
+from .aoti_export import export
 from .generator import Generator
 from .hf import from_hf, load_pretrained
 from .model.model import DeepseekV4ForCausalLM
-from .ops import Plan, cache_write, compress, indexer_topk, plan, sparse_attention  # noqa: F401
+from .ops import Plan, cache_write, compress, indexer_topk, plan, sinkhorn, sparse_attention  # noqa: F401
 
-__all__ = ["DSV4Config", "DeepseekV4ForCausalLM", "Generator", "from_hf", "load_pretrained", "ops"]
+__all__ = ["AOTIGenerator", "DSV4Config", "DeepseekV4ForCausalLM", "Generator", "export", "from_hf",
+           "load_pretrained", "ops"]

@@ -1,8 +1,25 @@
-"""Command line: ``python -m dsv4_ops {demo,bench,info}``."""
+"""Command line: ``python -m dsv4_ops {demo,export,info}``."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+def _export(args) -> int:
+    import torch
+
+    import dsv4_ops
+
+    if args.config == "tiny":
+        torch.manual_seed(args.seed)
+        model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny(), device=args.device)
+    else:
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        model = dsv4_ops.load_pretrained(args.config, dtype=dtype, device=args.device)
+    path = dsv4_ops.export(model, args.out, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                           prefill_chunk=args.prefill_chunk)
+    print(f"wrote {path}: load it with dsv4_ops.AOTIGenerator({path!r}) or build/dsv4_run {path} --prompt 1,2,3")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,12 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
     demo.add_argument("--spec-steps", type=int, default=0, help="also run MTP speculative decoding with k drafts")
-    bench = sub.add_parser("bench", help="per-kernel decode benchmark: Triton ops vs reference vs roofline (CUDA)",
-                           description="Time each torch.ops.dsv4 op (Triton path) and its plain-PyTorch reference at "
-                                       "V4-Flash / V4-Pro decode shapes; write JSON, a markdown table and a plot.")
-    from .bench.run import add_arguments as bench_arguments
-
-    bench_arguments(bench)
+    export = sub.add_parser("export", help="write an AOTInductor .pt2 package (prefill + decode programs)",
+                            description="Export a model as one .pt2 package for dsv4_ops.AOTIGenerator and the "
+                                        "C++ runner build/dsv4_run.")
+    export.add_argument("--config", default="tiny",
+                        help="'tiny' (DSV4Config.tiny(), random weights) or a checkpoint directory (config.json + "
+                             "safetensors, as load_pretrained reads)")
+    export.add_argument("--out", required=True, help="package path, ending in .pt2")
+    export.add_argument("--max-batch-size", type=int, default=4)
+    export.add_argument("--max-seq-len", type=int, default=512)
+    export.add_argument("--prefill-chunk", type=int, default=32)
+    export.add_argument("--device", default="cpu", help="device the package runs on (cpu or cuda)")
+    export.add_argument("--dtype", default=None, help="weights dtype for a checkpoint (e.g. bfloat16)")
+    export.add_argument("--seed", type=int, default=0, help="random weights of --config tiny")
     sub.add_parser("info", help="versions, devices and the registered ops")
     args = parser.parse_args(argv)
 
@@ -26,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         return run(args.device, args.max_new_tokens, compile=not args.no_compile, spec_steps=args.spec_steps)
-    if args.cmd == "bench":
-        from .bench.run import run
-
-        return run(args)
+    if args.cmd == "export":
+        return _export(args)
     if args.cmd == "info":
         import torch
 

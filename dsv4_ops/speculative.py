@@ -27,75 +27,80 @@ a row's drafts into ``(g + 1) % vocab`` (zero acceptance).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from . import ops
-from .reference.layer import plan_step, plan_steps
+from .model.attention import AttentionState
+from .model.plan import RingSizes, plan_step, plan_steps
 
 
-class SpecDecoding:
-    """The speculative state and step functions of a ``Generator`` with ``spec_steps=k``."""
+@dataclasses.dataclass
+class SpecState:
+    """Everything a speculative step reads and writes, for ``Bk`` rows: the lengths, the next
+    token (position ``L``), the drafts, the main model's streams at ``L-1``, the KV pool of the
+    main layers and of the MTP block. The generator passes views of its buffers; an exported
+    program passes its inputs (whole tensors)."""
 
-    def __init__(self, gen, k: int, draft: str = "mtp") -> None:
+    lengths: Tensor  # [Bk] int32
+    last_tok: Tensor  # [Bk] int64
+    drafts: Tensor  # [Bk, k] int64
+    h_last: Tensor  # [Bk, N, D]
+    states: list[AttentionState]
+    mtp_state: AttentionState | None
+    rings: RingSizes
+    mtp_rings: RingSizes
+    wrong_rows: Tensor | None = None  # oracle drafting (tests): rows whose drafts are made wrong
+
+
+class SpeculativeStep:
+    """The speculative prefill chunk and step as functions of a :class:`SpecState` (no state of
+    their own), so the generator compiles them over its buffers and ``dsv4_ops.export`` exports
+    them over program inputs."""
+
+    def __init__(self, model, k: int, draft: str = "mtp") -> None:
         if draft not in ("mtp", "oracle"):
             raise ValueError(f"draft must be 'mtp' or 'oracle' (tests), got {draft!r}")
-        model = gen.model
         if draft == "mtp" and len(model.mtp) == 0:
             raise ValueError("spec_steps > 0 needs the model's MTP block (config.num_nextn_predict_layers >= 1)")
-        self.gen, self.model, self.k, self.draft = gen, model, k, draft
-        B, dev = gen.max_batch_size, gen.device
-        N, D = model.config.hc_mult, model.config.hidden_size
-        self.last_tok = torch.zeros(B, dtype=torch.long, device=dev)
-        self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
-        self.h_last = torch.zeros(B, N, D, dtype=model.dtype, device=dev)
-        self.wrong_rows = torch.zeros(B, dtype=torch.bool, device=dev)  # oracle drafting only
-        for t in (self.last_tok, self.drafts, self.h_last, self.wrong_rows):
-            torch._dynamo.mark_static_address(t)
+        self.model, self.k, self.draft = model, k, draft
         self.record: list | None = None  # eager-mode metadata log for tests (None = off)
 
     # ------------------------------------------------------------------ prefill
-    def prefill_step(self, ids: Tensor, next_ids: Tensor, n_new: Tensor, n_mtp: Tensor) -> Tensor:
+    def prefill(self, st: SpecState, ids: Tensor, next_ids: Tensor, n_new: Tensor, n_mtp: Tensor) -> Tensor:
         """One prefill chunk for the main model AND the MTP window.
 
         ids ``[Bk, C]`` at positions ``lengths..``; ``next_ids [Bk, C]`` the token after each
         one; ``n_mtp`` = how many of them have a known next token (not the prompt's last)."""
-        gen, model = self.gen, self.model
+        model = self.model
         Bk, C = ids.shape
-        view, lengths = gen._views[Bk], gen.lengths[:Bk]
-        streams = model.hidden_streams(ids, view, lengths, n_new)  # [Bk, C, N, D]
-        meta = plan_step(model.config, lengths, n_mtp, C, view.mtp_rings, kernels=ops)
+        lengths = st.lengths
+        streams = model.hidden_streams(ids, lengths, n_new, model.plan(lengths, n_new, C, rings=st.rings),
+                                       st.states)  # [Bk, C, N, D]
         if self.draft == "mtp":
-            blk = model.mtp[0]
-            blk(streams, model.model.embed_tokens(next_ids), view.mtp_states[0], lengths, n_mtp, meta, next_ids)
+            meta = plan_step(model.config, lengths, n_mtp, C, st.mtp_rings)
+            model.mtp[0](streams, model.model.embed_tokens(next_ids), meta, st.mtp_state, next_ids)
         last = (n_new.long() - 1).clamp(min=0)
         picked = streams[torch.arange(Bk, device=ids.device), last]  # [Bk, N, D]
-        h = self.h_last[:Bk]
-        h.copy_(torch.where((n_new > 0)[:, None, None], picked, h))
+        st.h_last.copy_(torch.where((n_new > 0)[:, None, None], picked, st.h_last))
         lengths.add_(n_new)
         return model.logits(picked[:, None])[:, 0]
 
-    def start(self, first: Tensor) -> None:
-        """After prefill: ``first [B]`` (greedy token at each prompt's end) is the next token;
-        the first drafts are placeholders, which verify simply rejects."""
-        B = first.shape[0]
-        self.last_tok[:B].copy_(first)
-        self.drafts[:B].copy_(first[:, None].expand(B, self.k))
-
     # ------------------------------------------------------------------ the step
-    def step(self, active: Tensor) -> tuple[Tensor, Tensor]:
+    def step(self, st: SpecState, active: Tensor) -> tuple[Tensor, Tensor]:
         """active ``[Bk] int32`` (1 = this row generates) -> (tokens ``[Bk, k+1]`` with ``-1``
         after each row's emitted ones, counts ``[Bk]``)."""
-        gen, model, k = self.gen, self.model, self.k
+        model, k = self.model, self.k
         Bk = active.shape[0]
-        view, L = gen._views[Bk], gen.lengths[:Bk]
-        last, drafts, h_last = self.last_tok[:Bk], self.drafts[:Bk], self.h_last[:Bk]
+        L, last, drafts, h_last = st.lengths, st.last_tok, st.drafts, st.h_last
         rows = torch.arange(Bk, device=active.device)
 
         # 1. verify [last, d_1..d_k] at positions L..L+k
         ids = torch.cat([last[:, None], drafts], dim=1)  # [Bk, k+1]
         n_verify = active * (k + 1)
-        X = model.hidden_streams(ids, view, L, n_verify)  # [Bk, k+1, N, D]
+        X = model.hidden_streams(ids, L, n_verify, model.plan(L, n_verify, k + 1, rings=st.rings),
+                                 st.states)  # [Bk, k+1, N, D]
         g = model.logits(X).argmax(-1)  # [Bk, k+1]
         a = (drafts == g[:, :k]).to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)  # accepted drafts
         bonus = g[rows, a]
@@ -108,9 +113,9 @@ class SpecDecoding:
 
         # 2.+3. the next drafts
         if self.draft == "mtp":
-            new_drafts = self._mtp_drafts(view, L, new_len, active, a, last, drafts, bonus, X, h_last)
+            new_drafts = self._mtp_drafts(st, new_len, active, a, bonus, X)
         else:
-            new_drafts = self._oracle_drafts(view, new_len, active, bonus)
+            new_drafts = self._oracle_drafts(st, new_len, active, bonus)
 
         # commit (inactive rows keep everything)
         act = active > 0
@@ -120,9 +125,10 @@ class SpecDecoding:
         L.copy_(new_len)
         return tokens, count
 
-    def _mtp_drafts(self, view, L, new_len, active, a, last, drafts, bonus, X, h_last) -> Tensor:
+    def _mtp_drafts(self, st: SpecState, new_len, active, a, bonus, X) -> Tensor:
         model, k, blk = self.model, self.k, self.model.mtp[0]
         cfg, Bk = model.config, active.shape[0]
+        L, last, drafts, h_last = st.lengths, st.last_tok, st.drafts, st.h_last
         rows = torch.arange(Bk, device=active.device)
         # extend: positions L-1 .. L+a; streams at t, token at t+1
         streams = torch.cat([h_last[:, None], X], dim=1)  # [Bk, k+2, N, D]
@@ -130,34 +136,77 @@ class SpecDecoding:
         toks = toks.scatter(1, (a + 1)[:, None].long(), bonus[:, None])
         n_ext = active * (a + 2)
         start = L - 1
-        meta = plan_step(cfg, start, n_ext, k + 2, view.mtp_rings, concat=False, kernels=ops)
+        meta = plan_step(cfg, start, n_ext, k + 2, st.mtp_rings, concat=False)
         self._log("extend", meta, n_ext)
-        Y = blk(streams, model.model.embed_tokens(toks), view.mtp_states[0], start, n_ext, meta, toks)
+        Y = blk(streams, model.model.embed_tokens(toks), meta, st.mtp_state, toks)
         y = Y[rows, a + 1][:, None]  # output at position L+a: drafts position L'+1
         d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
         out = [d]
         if k > 1:
-            plans = plan_steps(cfg, new_len, active, 1, view.mtp_rings, steps=k - 1, concat=False, kernels=ops)
+            plans = plan_steps(cfg, new_len, active, 1, st.mtp_rings, steps=k - 1, concat=False)
             for meta in plans:  # draft i+1 at position L' + i: exactly len(plans) == k-1 steps
                 self._log("draft", meta, active)
-                y = blk(y, model.model.embed_tokens(d[:, None]), view.mtp_states[0], meta.start, active, meta, d[:, None])
+                y = blk(y, model.model.embed_tokens(d[:, None]), meta, st.mtp_state, d[:, None])
                 d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
                 out.append(d)
         return torch.stack(out, dim=1)
 
-    def _oracle_drafts(self, view, new_len, active, bonus) -> Tensor:
+    def _oracle_drafts(self, st: SpecState, new_len, active, bonus) -> Tensor:
         model, k = self.model, self.k
-        plans = plan_steps(model.config, new_len, active, 1, view.rings, steps=k, concat=False, kernels=ops)
+        plans = plan_steps(model.config, new_len, active, 1, st.rings, steps=k, concat=False)
         d, out = bonus, []
         for meta in plans:  # greedy main-model decode from position L'
             self._log("draft", meta, active)
-            d = model.step(d[:, None], view, meta.start, active, meta)[:, 0].argmax(-1)
+            d = model.logits(model.hidden_streams(d[:, None], meta.start, active, meta, st.states))[:, 0].argmax(-1)
             out.append(d)
         drafts = torch.stack(out, dim=1)
-        wrong = self.wrong_rows[: active.shape[0], None]
-        return torch.where(wrong, (drafts + 1) % model.config.vocab_size, drafts)
+        return torch.where(st.wrong_rows[:, None], (drafts + 1) % model.config.vocab_size, drafts)
 
     def _log(self, kind: str, meta, n_new: Tensor) -> None:
         if self.record is not None and not torch.compiler.is_compiling():
-            self.record.append((kind, meta.start.clone(), n_new.clone(), meta.positions.clone(),
-                                meta.win_write.clone(), meta.win_idx.clone()))
+            p = meta.plan
+            self.record.append((kind, meta.start.clone(), n_new.clone(), p.positions.clone(), p.win_write.clone(),
+                                p.win_idx.clone()))
+
+
+class SpecDecoding(SpeculativeStep):
+    """The speculative state of a ``Generator`` with ``spec_steps=k``: its buffers (next token,
+    drafts, streams at ``L-1``) and the model's pool, viewed per batch bucket."""
+
+    def __init__(self, gen, k: int, draft: str = "mtp") -> None:
+        super().__init__(gen.model, k, draft)
+        model = self.model
+        self.gen = gen
+        B, dev = gen.max_batch_size, gen.device
+        N, D = model.config.hc_mult, model.config.hidden_size
+        self.last_tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        self.h_last = torch.zeros(B, N, D, dtype=model.dtype, device=dev)
+        self.wrong_rows = torch.zeros(B, dtype=torch.bool, device=dev)  # oracle drafting only
+        for t in (self.last_tok, self.drafts, self.h_last, self.wrong_rows):
+            torch._dynamo.mark_static_address(t)
+
+    def state(self, Bk: int) -> SpecState:
+        model = self.model
+        cc = model.cache_config
+        return SpecState(self.gen._lengths[Bk], self.last_tok[:Bk], self.drafts[:Bk], self.h_last[:Bk],
+                         model.cache_states(Bk), model.mtp_cache_state(Bk) if cc.mtp else None, cc.rings,
+                         cc.mtp_rings, self.wrong_rows[:Bk])
+
+    def prefill_step(self, ids: Tensor, next_ids: Tensor, n_new: Tensor, n_mtp: Tensor) -> Tensor:
+        return self.prefill(self.state(ids.shape[0]), ids, next_ids, n_new, n_mtp)
+
+    def spec_step(self, active: Tensor) -> tuple[Tensor, Tensor]:
+        return self.step(self.state(active.shape[0]), active)
+
+    def start(self, first: Tensor) -> None:
+        """After prefill: ``first [B]`` (greedy token at each prompt's end) is the next token;
+        the first drafts are placeholders, which verify simply rejects."""
+        start_drafts(self.last_tok, self.drafts, first)
+
+
+def start_drafts(last_tok: Tensor, drafts: Tensor, first: Tensor) -> None:
+    """The state after prefill: ``first`` is each row's next token; the drafts are placeholders."""
+    B = first.shape[0]
+    last_tok[:B].copy_(first)
+    drafts[:B].copy_(first[:, None].expand(B, drafts.shape[1]))

@@ -13,11 +13,11 @@ CPU tensors always take the reference path.
 
 Every op body (a ``torch.library.triton_op``) branches on :func:`use_triton` with the device
 TYPE of an input tensor: a static fact of the traced graph, so the branch is resolved while
-tracing and Inductor sees either the Triton kernels or the plain-aten reference.
+tracing and Inductor sees either the Triton kernels or the plain-aten reference. The kernel
+modules are imported with the ops (Triton is a requirement); they only compile on first launch.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -45,8 +45,3 @@ def use_triton(device_type: str) -> bool:
     reports ``"cuda"``) tensors when the backend is ``triton``; the reference otherwise."""
     return device_type == "cuda" and BACKEND == "triton"
 
-
-def triton_module(name: str):
-    """The launcher module ``lowering/triton/<name>.py``, imported on first use, so that
-    importing dsv4_ops never imports Triton on its own."""
-    return importlib.import_module(f"{__name__}.triton.{name}")

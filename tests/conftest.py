@@ -22,6 +22,40 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 
+
+def _fix_interpreter_numpy24() -> None:
+    """Let ``TRITON_INTERPRET=1`` run loops with runtime bounds under numpy >= 2.4.
+
+    Triton 3.6's interpreter converts a scalar to a Python int with ``int(ndarray)``,
+    which numpy 2.4 rejects for the shape-(1,) arrays it uses for scalars
+    (triton-lang/triton#9171, fixed upstream with ``.squeeze()``). The same fix, on top of
+    the interpreter's per-launch patching; a no-op when the interpreter layout differs.
+    A test-only patch: the package never modifies Triton.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_dsv4_index_fix", False):
+        return
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._dsv4_index_fix = True
+
+
+import triton  # noqa: E402  (after TRITON_INTERPRET is set)
+
+if triton.knobs.runtime.interpret:
+    _fix_interpreter_numpy24()
+
 # The single dtype -> tolerance table. Low-precision entries cover rounding of inputs, of the
 # output and fp32 accumulation order; compare against a float64 oracle on the same (rounded) inputs.
 TOLERANCES = {

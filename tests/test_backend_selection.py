@@ -1,5 +1,5 @@
 """The backend is chosen once at import from the environment and the visible devices, and every
-op body honours it: CUDA tensors take the Triton launchers only when the backend is ``triton``."""
+op body honours it: CUDA tensors take the Triton kernels only when the backend is ``triton``."""
 import sys
 import types
 
@@ -61,34 +61,43 @@ RESULTS = {
     "indexer_topk": lambda q, w, k, v, topk: q.new_empty((*v.shape, topk), dtype=torch.int32),
     "sparse_attention": lambda q, *a: q.new_empty(q.shape),
 }
-LAUNCHER_MODULES = {"plan": "plan", "cache_write": "cache_write", "compress": "compress", "indexer": "indexer_topk",
-                    "sparse_attention": "sparse_attention"}  # lowering/triton/<module>.py -> launcher
+# op -> the kernels its Triton branch launches for the inputs of call_every_op
+KERNELS = {"plan": ["plan_kernel"], "cache_write": ["cache_write_kernel"], "compress": ["compress_kernel"],
+           "indexer_topk": ["indexer_scores_kernel", "topk_row_kernel"],
+           "sparse_attention": ["sparse_attention_kernel"]}
 
 
 class Spy:
-    """Records which branch each op body takes: ``launchers`` stands in for
-    ``lowering.triton_module`` (records the launcher and its ``wrap`` flag), ``reference`` for the
-    ops' ``ref`` module. Both return outputs of the right shape, so no kernel and no GPU is needed
-    (and the reference never builds CUDA tensors on a CPU-only torch)."""
+    """Records which branch each op body takes: ``wrap_triton`` in each op module records the
+    kernel it wraps (and launches nothing), ``reference`` stands in for the ops' ``ref`` module
+    and returns outputs of the right shape. No kernel and no GPU is needed (and the reference
+    never builds CUDA tensors on a CPU-only torch)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
 
-        def recorder(kind, name):
-            def fn(*args, wrap=False, **kw):
-                self.calls.append((kind, name, wrap))
+        def recorder(name):
+            def fn(*args):
+                self.calls.append(("reference", name))
                 return RESULTS[name](*args)
             return fn
 
-        self.reference = types.SimpleNamespace(**{n: recorder("reference", n) for n in RESULTS})
-        monkeypatch.setattr(lowering, "triton_module",
-                            lambda module: types.SimpleNamespace(**{LAUNCHER_MODULES[module]: recorder(
-                                "triton", LAUNCHER_MODULES[module])}))
+        def wrap_triton(kernel):
+            self.calls.append(("triton", kernel.fn.__name__))
+            return _NoLaunch()
+
+        self.reference = types.SimpleNamespace(**{n: recorder(n) for n in RESULTS})
         for module in OP_MODULES:
             monkeypatch.setattr(sys.modules[f"dsv4_ops.ops.{module}"], "ref", self.reference)
+            monkeypatch.setattr(sys.modules[f"dsv4_ops.ops.{module}"], "wrap_triton", wrap_triton)
 
     def branches(self):
-        return {kind for kind, _, _ in self.calls}, sorted(name for _, name, _ in self.calls)
+        return {kind for kind, _ in self.calls}, sorted(name for _, name in self.calls)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **meta: None
 
 
 def call_every_op(device):
@@ -118,13 +127,12 @@ def call_every_op(device):
 EVERY_OP = sorted(RESULTS)
 
 
-def test_cuda_tensors_take_the_triton_launchers_when_the_backend_is_triton(monkeypatch):
+def test_cuda_tensors_take_the_triton_kernels_when_the_backend_is_triton(monkeypatch):
     spy = Spy(monkeypatch)
     monkeypatch.setattr(lowering, "BACKEND", "triton")
     with FakeTensorMode():  # fake CUDA tensors: the op bodies run (they are also the fakes)
         call_every_op("cuda")
-    assert spy.branches() == ({"triton"}, EVERY_OP)
-    assert all(wrap for _, _, wrap in spy.calls), "launchers must go through wrap_triton inside the ops"
+    assert spy.branches() == ({"triton"}, sorted(k for op in EVERY_OP for k in KERNELS[op]))
 
 
 def test_backend_reference_keeps_cuda_tensors_on_the_reference(monkeypatch):

@@ -3,11 +3,13 @@ decode steps, new prompts of other lengths within the bucket), and the compiled 
 the eager tokens. One Generator per module: compiling on CPU costs tens of seconds."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from dsv4_ops import DSV4Config, Generator
-from dsv4_ops.demo import random_model
+from model_util import random_model
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +67,20 @@ def test_speculative_step_compiles_once_and_stays_exact(setup):
 
 def test_single_prompt_bucket_prefills_new_lengths_without_recompiling(setup):
     """Bucket 1 (one request), the common serving case: prompts with more prefill chunks than
-    the warm-up reuse the compiled prefill step (it once recompiled per prompt length there)."""
+    the warm-up reuse the compiled prefill step (it once recompiled per prompt length there), and
+    decode takes a token column view (a strided [1] tensor) without recompiling (it once did)."""
     eager, _, _, _ = setup
-    gen = Generator(eager.model, max_batch_size=1, max_seq_len=192, prefill_chunk=32, compile=True,
+    # the pool belongs to the model: the eager side runs on a copy, so the two never share it
+    eager = Generator(copy.deepcopy(eager.model), max_batch_size=1, max_seq_len=192, prefill_chunk=32, compile=False)
+    gen = Generator(setup[0].model, max_batch_size=1, max_seq_len=192, prefill_chunk=32, compile=True,
                     cuda_graphs=False)
-    gen.prefill([[4, 2]])  # warm-up: one chunk
-    assert gen._graphs == {("prefill", 1): 1}
+    gen.decode(gen.prefill([[4, 2]]).argmax(-1))  # warm-up: one chunk, one decode step
+    assert gen._graphs == {("prefill", 1): 1, ("decode", 1): 1}
+    column = torch.tensor([[5, 9], [6, 9]])[:1, 0]  # shape [1], stride (2,)
+    assert column.shape == (1,) and column.stride() == (2,)
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in (33, 100, 150):  # 2, 4 and 5 chunks
             logits = gen.prefill([list(range(n))])
             torch.testing.assert_close(logits, eager.prefill([list(range(n))]), atol=1e-4, rtol=1e-4)
-    assert gen._graphs == {("prefill", 1): 1} and gen.stats["recompiles"] == 0
+            torch.testing.assert_close(gen.decode(column), eager.decode(column), atol=1e-4, rtol=1e-4)
+    assert gen._graphs == {("prefill", 1): 1, ("decode", 1): 1} and gen.stats["recompiles"] == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4_ops import DSV4Config, Generator
-from dsv4_ops.demo import random_model
+from model_util import random_model
 
 pytestmark = pytest.mark.gpu
 

@@ -4,6 +4,7 @@ cache-free ``model(input_ids)``; bucket padding and batch reuse never change a r
 generator usable. Weights come from a fully randomised HF model (never zeros)."""
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 
@@ -82,9 +83,9 @@ def test_prefill_chunks_have_the_same_strides_for_every_prompt_length(model, n_p
                     spec_steps=spec_steps)
     seen, run = set(), gen._run
 
-    def spy(kind, *args):
-        seen.add(tuple((tuple(a.shape), a.stride()) for a in args))
-        return run(kind, *args)
+    def spy(kind, bucket, fn, *args, **kwargs):
+        seen.add(tuple((tuple(a.shape), a.stride()) for a in args if isinstance(a, torch.Tensor)))
+        return run(kind, bucket, fn, *args, **kwargs)
 
     gen._run = spy
     for n in (5, 8, 30, MAX_SEQ - 4):  # 1, 1, 4 and 6 chunks
@@ -109,6 +110,18 @@ def test_stats(model) -> None:
     assert s["tokens_generated"] == 10 and s["decode_tokens_per_s"] > 0
     s["decode_steps"] = -1  # a copy: the generator's own counters are untouched
     assert gen.stats["decode_steps"] == 4
+
+
+def test_stats_count_prefill_and_decode_called_directly(model) -> None:
+    """Users who drive prefill / decode themselves get token counts and a decode rate too."""
+    gen = Generator(model, max_batch_size=2, max_seq_len=32, compile=False, prefill_chunk=8)
+    logits = gen.prefill(random_prompts([3, 10], VOCAB, seed=4))
+    assert gen.stats["tokens_generated"] == 2 and gen.stats["decode_tokens"] == 0
+    for _ in range(3):
+        logits = gen.decode(logits.argmax(-1))
+    s = gen.stats
+    assert s["tokens_generated"] == 2 + 3 * 2 and s["decode_tokens"] == 6 and s["decode_steps"] == 3
+    assert s["decode_time_s"] > 0 and s["decode_tokens_per_s"] == pytest.approx(6 / s["decode_time_s"])
 
 
 # --------------------------------------------------------------------------------------
@@ -138,19 +151,19 @@ BAD = {
         lambda g: g.prefill([[1, 2], [3, VOCAB, 4]]), r"prompts\[1\] has token id 256 .*vocab_size=256"),
     "negative_token_id": (lambda g: g.prefill([[1, -1]]), r"prompts\[0\] has token id -1 .*vocab_size"),
     "float_token_id": (lambda g: g.prefill([[1, 2.5]]), r"prompts\[0\] must be a list of int token ids"),
-    "flat_prompt_list": (lambda g: g.prefill([1, 2, 3]), r"prompts\[0\] must be a list of int token ids"),
+    "flat_prompt_list": (lambda g: g.prefill([1, 2, 3]), r"prompts must be a list of token-id lists, got a flat list of ints"),
     "empty_prompt": (lambda g: g.prefill([[1, 2], []]), r"prompts\[1\] is empty"),
     "empty_prompt_list": (lambda g: g.prefill([]), r"prompts is empty"),
     "generate_empty_prompt_list": (lambda g: g.generate([], max_new_tokens=3), r"prompts is empty"),
-    "max_new_tokens_zero": (lambda g: g.generate(VALID, max_new_tokens=0), r"max_new_tokens must be >= 1"),
+    "max_new_tokens_zero": (lambda g: g.generate(VALID, max_new_tokens=0), r"max_new_tokens must be an int >= 1, got 0"),
     "decode_before_prefill": (lambda g: g.decode(torch.tensor([1])), r"call prefill first"),
     "decode_too_many_ids": (
         lambda g: prefilled(g).decode(torch.tensor([1, 2, 3])), r"next_ids must have shape \[2\].*got \(3,\)"),
     "decode_too_few_ids": (lambda g: prefilled(g).decode(torch.tensor([1])), r"next_ids must have shape \[2\]"),
     "decode_2d_ids": (lambda g: prefilled(g).decode(torch.tensor([[1], [2]])), r"next_ids must have shape \[2\]"),
     "decode_id_equal_to_vocab": (
-        lambda g: prefilled(g).decode(torch.tensor([1, VOCAB])), r"next_ids has a token id outside .*vocab_size=256"),
-    "decode_negative_id": (lambda g: prefilled(g).decode(torch.tensor([-3, 1])), r"next_ids has a token id outside"),
+        lambda g: prefilled(g).decode(torch.tensor([1, VOCAB])), r"next_ids\[1\] = 256 is outside \[0, vocab_size=256\)"),
+    "decode_negative_id": (lambda g: prefilled(g).decode(torch.tensor([-3, 1])), r"next_ids\[0\] = -3 is outside"),
     "decode_float_ids": (
         lambda g: prefilled(g).decode(torch.tensor([1.0, 2.0])), r"next_ids must hold integer token ids"),
     "decode_past_max_seq_len": (
@@ -179,7 +192,8 @@ def test_decode_right_up_to_max_seq_len(model) -> None:
 
 def test_rejected_decode_does_not_advance_the_state(model) -> None:
     prompts = random_prompts([4, 9], VOCAB, seed=6)
-    ref = Generator(model, max_batch_size=2, max_seq_len=32, compile=False)
+    # the pool belongs to the model: interleaved generators need a model each
+    ref = Generator(copy.deepcopy(model), max_batch_size=2, max_seq_len=32, compile=False)
     gen = Generator(model, max_batch_size=2, max_seq_len=32, compile=False)
     ref.prefill(prompts), gen.prefill(prompts)
     ref.decode(torch.tensor([1, 2])), gen.decode(torch.tensor([1, 2]))
@@ -192,11 +206,17 @@ def test_rejected_decode_does_not_advance_the_state(model) -> None:
 
 
 def test_constructor_rejects_bad_arguments(model) -> None:
-    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1, got 0"):
         Generator(model, compile=False, prefill_chunk=0)
-    with pytest.raises(ValueError, match="max_batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
         Generator(model, max_batch_size=0, compile=False)
-    with pytest.raises(ValueError, match="max_seq_len must be >= 1"):
+    with pytest.raises(ValueError, match="max_seq_len must be an int >= 1"):
         Generator(model, max_seq_len=0, compile=False)
     with pytest.raises(ValueError, match="cuda_graphs=True needs compile=True"):
         Generator(model, max_seq_len=8, compile=False, cuda_graphs=True)
+    with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
+        Generator(model, max_seq_len=8, compile="yes")
+    with pytest.raises(ValueError, match="spec_steps must be an int >= 0, got True"):
+        Generator(model, max_seq_len=8, compile=False, spec_steps=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be True, False or None"):
+        Generator(model, max_seq_len=8, compile=False, cuda_graphs="auto")

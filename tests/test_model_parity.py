@@ -298,7 +298,7 @@ def test_bf16_model_runs_and_is_close_to_fp32(tmp_path) -> None:
     g16, g32 = (Generator(m, max_batch_size=3, max_seq_len=192, compile=False) for m in (bf16, fp32))
     a, b = g16.prefill(prompts), g32.prefill(prompts)
     assert a.dtype == torch.float32  # logits are fp32 whatever the model dtype
-    st = g16.cache.states[1]  # a CSA layer: the KV pool follows the model dtype, compressor rings stay fp32
+    st = g16.model.cache_states()[1]  # a CSA layer: the KV pool follows the model dtype, compressor rings stay fp32
     assert st.window.dtype == st.pool.dtype == torch.bfloat16 and st.kv_ring.dtype == torch.float32
     steps16, steps32 = [a], [b]
     for t in range(30):

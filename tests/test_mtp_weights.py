@@ -7,7 +7,7 @@ import torch
 
 import dsv4_ops
 from dsv4_ops import DSV4Config, DeepseekV4ForCausalLM
-from dsv4_ops.demo import random_model
+from model_util import random_model
 
 # dsv4_ops name (inside mtp.0.) -> DeepSeek's checkpoint name, written out independently of
 # dsv4_ops.hf's rename table so that the test checks it

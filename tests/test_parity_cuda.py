@@ -45,3 +45,32 @@ def test_prefill_and_decode_match_hf_on_cuda(dtype, mean_tol, worst_tol, cfg):
     mean, worst = sum(errs) / len(errs), max(errs)
     print(f"{dtype}: mean relative error {mean:.3g}, worst {worst:.3g}")
     assert mean <= mean_tol and worst <= worst_tol, f"relative error mean {mean:.3g}, worst {worst:.3g}"
+
+
+def test_fp32_at_v4_widths_matches_hf_on_the_default_backend():
+    """V4-Flash attention widths (64 heads x 512, window 128, indexer 64 x 128, top-k 512) in fp32:
+    the prefill attention kernel at head_dim 512 once asked for more shared memory than an H200
+    has (OutOfResources). A 2-chunk prompt then decode steps, against HF's fp32 model."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DSV4Config(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                       "heavily_compressed_attention"],
+                     mlp_layer_types=["hash_moe", "moe", "moe"], vocab_size=512, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=256, hca_ratio=16, num_nextn_predict_layers=0,
+                     max_position_embeddings=4096)
+    hf = make_hf(cfg, seed=7).cuda()
+    ours = dsv4_ops.from_hf(hf)
+    prompt = random_prompts([150], cfg.vocab_size, seed=8)[0]
+    gen = Generator(ours, max_batch_size=1, max_seq_len=192, compile=False, prefill_chunk=64)
+    got = [gen.prefill([prompt])[0]]
+    for t in range(8):
+        got.append(gen.decode(torch.tensor([t + 1], device="cuda"))[0])
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([prompt], device="cuda"), use_cache=True)
+        cache, ref = out.cache, [out.logits[0, -1].float()]
+        for t in range(8):
+            out = hf(input_ids=torch.tensor([[t + 1]], device="cuda"), cache=cache, use_cache=True)
+            cache = out.cache
+            ref.append(out.logits[0, -1].float())
+    errs = [rel(g, r) for g, r in zip(got, ref)]
+    print(f"fp32 V4 widths: worst relative error {max(errs):.3g}")
+    assert max(errs) <= 1e-5, errs

@@ -1,5 +1,5 @@
-"""The reference attention layer (dense oracle and incremental op-built path) against HF
-transformers' DeepseekV4Attention, in fp32, for every layer type.
+"""The model's attention layer (incremental, on the ops) and the reference dense oracle against
+HF transformers' DeepseekV4Attention, in fp32, for every layer type.
 
 HF side: ``DeepseekV4Attention`` modules called directly with the model's own plumbing —
 ``DeepseekV4RotaryEmbedding`` for the {"main", "compress"} position embeddings,
@@ -12,13 +12,13 @@ Every parameter is drawn fresh (HF leaves ``sinks`` / ``position_bias`` as zeros
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from dsv4_ops.config import CSA, HCA, SLIDING, DSV4Config
-from dsv4_ops.reference.layer import ReferenceAttention, ring_sizes
+from dsv4_ops.model.attention import Attention
+from dsv4_ops.model.plan import plan_step, ring_sizes
+from dsv4_ops.reference.layer import dense_attention
 from dsv4_ops.reference.rope import rope_tables
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +62,8 @@ class Layers:
         self.ref = []
         for i, a in enumerate(self.hf):
             randomize_(a, gen)
-            r = ReferenceAttention(self.cfg, i, max_positions=1024).eval()
+            theta, yarn = self.cfg.rope_params(self.cfg.layer_types[i])
+            r = Attention(self.cfg, i, rope=rope_tables(theta, self.cfg.rope_head_dim, 1024, yarn)).eval()
             r.load_state_dict(a.state_dict(), strict=True)
             self.ref.append(r)
         self.rotary = DeepseekV4RotaryEmbedding(self.hcfg)
@@ -97,18 +98,33 @@ class HFRow:
         return outs
 
 
+def layer_prefill(r: Attention, x, state, lengths, n_new, chunk: int | None = None) -> torch.Tensor:
+    """The layer over ``x [B, S, hidden]`` in steps of ``chunk`` tokens (row ``b`` takes
+    ``n_new[b]``), one plan per step, as the model runs it."""
+    S = x.shape[1]
+    chunk = chunk or max(S, 1)
+    outs, done = [], torch.zeros_like(n_new)
+    for j in range(0, S, chunk):
+        w = min(chunk, S - j)
+        take = (n_new - done).clamp(0, w).to(torch.int32)  # tokens of each row inside this chunk
+        meta = plan_step(r.cfg, lengths + done, take, w, r.rings(state))
+        outs.append(r(x[:, j : j + w], meta, state))
+        done = done + take
+    return torch.cat(outs, dim=1)
+
+
 class RefBatch:
-    """Incremental reference run of B rows through the three layers."""
+    """Incremental run of B rows through the three model layers, on the ops."""
 
     def __init__(self, L: Layers, B: int, max_seq_len: int = 1024) -> None:
         self.L = L
-        self.states = [r.init_state(B, max_seq_len) for r in L.ref]
+        self.states = [r.new_state(B, max_seq_len) for r in L.ref]
         self.lengths = torch.zeros(B, dtype=torch.int32)
 
     @torch.no_grad()
     def __call__(self, xs: list[torch.Tensor], n_new: torch.Tensor, chunk: int | None = None) -> list[torch.Tensor]:
         n_new = n_new.to(torch.int32)
-        outs = [r.prefill(x, st, self.lengths, n_new, chunk) for r, x, st in zip(self.L.ref, xs, self.states)]
+        outs = [layer_prefill(r, x, st, self.lengths, n_new, chunk) for r, x, st in zip(self.L.ref, xs, self.states)]
         self.lengths = self.lengths + n_new
         return outs
 
@@ -199,7 +215,7 @@ def test_full_prompt(layers: Layers, S: int) -> None:
     with torch.no_grad():
         for i, lt in enumerate(LAYER_TYPES):
             assert rel(want_cached[i], want[i]) <= TOL, lt
-            assert rel(layers.ref[i].forward_full(xs[i]), want[i]) <= TOL, f"forward_full {lt}"
+            assert rel(dense_attention(layers.ref[i], xs[i]), want[i]) <= TOL, f"dense oracle {lt}"
     for chunk in (None, 7, 16, 1):
         got = RefBatch(layers, 1)(xs, torch.tensor([S]), chunk)
         for i, lt in enumerate(LAYER_TYPES):
@@ -284,10 +300,8 @@ def test_poisoned_state_is_never_read(layers: Layers) -> None:
     n_new = torch.tensor([23, 9])
     clean, dirty = RefBatch(layers, 2, 256), RefBatch(layers, 2, 256)
     for st in dirty.states:
-        for f in dataclasses.fields(st):
-            t = getattr(st, f.name)
-            if t is not None:
-                t.fill_(float("nan"))
+        for t in st.tensors().values():
+            t.fill_(float("nan"))
     for step in range(3):
         a, b = clean(xs, n_new, chunk=8), dirty(xs, n_new, chunk=8)
         for i in range(3):
@@ -300,13 +314,3 @@ def test_ring_sizes_follow_design() -> None:
     cfg = DSV4Config.tiny()
     assert ring_sizes(cfg) == (cfg.sliding_window, 2 * cfg.csa_ratio, cfg.hca_ratio)
     assert ring_sizes(cfg, lookahead=3) == (cfg.sliding_window + 3, 2 * cfg.csa_ratio + 3, cfg.hca_ratio + 3)
-
-
-def test_prefill_rejects_lengths_past_capacity(layers: Layers) -> None:
-    r = layers.ref[2]  # HCA: 64 positions -> 4 pool entries
-    st = r.init_state(1, 64)
-    x = torch.randn(1, 8, layers.cfg.hidden_size)
-    with pytest.raises(ValueError, match="capacity of 64"):
-        r.prefill(x, st, torch.tensor([60]), torch.tensor([8]))
-    with pytest.raises(ValueError, match="n_new"):
-        r.prefill(x, st, torch.tensor([0]), torch.tensor([9]))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_ops import DSV4Config, Generator
-from dsv4_ops.demo import random_model
+from model_util import random_model
 
 # sliding + CSA + HCA; window 16 and HCA rate 8 so 40 new tokens cross many boundaries
 CFG = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
@@ -85,13 +85,13 @@ def test_every_draft_step_plans_the_position_it_writes(model):
     k = 3
     gen = Generator(model, spec_steps=k, **KW)
     gen.prefill(PROMPTS)
-    R = gen.cache.mtp_rings.window
+    R = model.cache_config.mtp_rings.window
     W = CFG.sliding_window
     for _ in range(6):
         L = gen.lengths[:4].clone()
         gen.spec.record = []
         active = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
-        _, counts = gen._run("spec", active)
+        _, counts = gen._run("spec", 4, gen.spec.spec_step, active)
         log, gen.spec.record = gen.spec.record, None
         kinds = [e[0] for e in log]
         assert kinds == ["extend"] + ["draft"] * (k - 1)  # planned steps == executed steps

@@ -40,21 +40,22 @@ def _launches(backend: str):
 
     recorded = []
 
-    def record(kernel, grid, *args, wrap=False, **meta):
-        recorded.append((kernel, args, meta))
+    def record(kernel, spec):
+        if spec is not None:
+            recorded.append((kernel, spec.args, spec.meta))
 
     sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = record
     meta_dev = torch.device("meta")
 
-    def attention(name, B, heads, dim, dtype, num_splits=None):
-        q = torch.empty(B, 1, heads, dim, dtype=dtype, device=meta_dev)
+    def attention(name, B, heads, dim, dtype, num_splits=None, S=1):
+        q = torch.empty(B, S, heads, dim, dtype=dtype, device=meta_dev)
         kv = torch.empty(B, RING, dim, dtype=dtype, device=meta_dev)
         cmp = torch.empty(B, N_POOL, dim, dtype=dtype, device=meta_dev)
-        kv_idx = torch.empty(B, 1, W, dtype=torch.int32, device=meta_dev)
-        cmp_idx = torch.empty(B, 1, K_CSA, dtype=torch.int32, device=meta_dev)
-        cmp_len = torch.empty(B, 1, dtype=torch.int32, device=meta_dev)
+        kv_idx = torch.empty(B, S, W, dtype=torch.int32, device=meta_dev)
+        cmp_idx = torch.empty(B, S, K_CSA, dtype=torch.int32, device=meta_dev)
+        cmp_len = torch.empty(B, S, dtype=torch.int32, device=meta_dev)
         sink = torch.empty(heads, dtype=torch.float32, device=meta_dev)
-        cfg = sa.attention_config(B, 1, heads, dim, W + K_CSA, num_splits=num_splits, backend=backend)
+        cfg = sa.attention_config(B, S, heads, dim, W + K_CSA, num_splits=num_splits, backend=backend, dtype=dtype)
         start = len(recorded)
         sa.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, dim**-0.5, config=cfg)
         names = [name] if cfg["NUM_SPLITS"] == 1 else [name + "_split", name + "_combine"]
@@ -64,6 +65,11 @@ def _launches(backend: str):
     out += attention("attention_decode", B_DECODE, H, D, torch.bfloat16, num_splits=1)
     out += attention("attention_decode", 1, H, D, torch.bfloat16)  # split-KV + combine
     out += attention("attention_tiny_fp32", 2, 4, 64, torch.float32, num_splits=1)
+    # fp32 at V4 widths (a correctness dtype, not tuned): decode, decode with split-KV, a
+    # 64-token prefill chunk with the 128 heads of V4-Pro
+    out += attention("attention_fp32_decode", B_DECODE, H, D, torch.float32, num_splits=1)
+    out += attention("attention_fp32_decode", 1, H, D, torch.float32)
+    out += attention("attention_fp32_prefill", 1, 2 * H, D, torch.float32, S=64)
     for topk in (512, 1024):  # Flash, Pro
         q = torch.empty(B_DECODE, 1, HI, DI, dtype=torch.bfloat16, device=meta_dev)
         w = torch.empty(B_DECODE, 1, HI, dtype=torch.float32, device=meta_dev)
@@ -204,6 +210,7 @@ def _worker(target_names):
                                           options={"num_warps": entry["num_warps"], "num_stages": entry["num_stages"]})
                 entry["artifacts"] = {k: len(v) for k, v in compiled.asm.items()}
                 entry["resources"] = _resources(compiled)
+                entry["shared"] = compiled.metadata.shared
             except Exception as e:  # reported, the parent test fails with it
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             results.append(entry)
@@ -222,8 +229,11 @@ def compiled():
     return {(r["target"], r["kernel"]): r for r in results}
 
 
+ATTENTION = ["attention_decode", "attention_decode_split", "attention_tiny_fp32", "attention_fp32_decode",
+             "attention_fp32_decode_split", "attention_fp32_prefill"]
 KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combine",
-           "attention_tiny_fp32", "indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
+           "attention_tiny_fp32", "attention_fp32_decode", "attention_fp32_decode_split",
+           "attention_fp32_decode_combine", "attention_fp32_prefill", "indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
            "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
            "compress_csa", "compress_hca", "compress_indexer", "sinkhorn"]
 
@@ -251,6 +261,23 @@ def test_decode_attention_does_not_spill(compiled, target):
                 assert res["wgmma"] > 0, res  # Hopper tensor-core path
         else:
             assert res["vgpr_spill_count"] == 0, res
+
+
+@pytest.mark.parametrize("kernel", ATTENTION)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_attention_fits_shared_memory(compiled, target, kernel):
+    """Every attention config fits one program's shared memory (sm_90: 227 KB; fp32 at D=512
+    once asked for 328 KB, an OutOfResources at launch), and within the estimate
+    ``attention_config`` sizes its pipeline by."""
+    from dsv4_ops.lowering.triton import sparse_attention as sa
+
+    r = compiled[(target, kernel)]
+    assert "error" not in r, r["error"]
+    limit = sa.SMEM_LIMIT["hip" if TARGETS[target][0] == "hip" else "cuda"]
+    assert r["shared"] <= limit, r
+    c = r["constexprs"]
+    cfg = dict(BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], num_stages=r["num_stages"])
+    assert r["shared"] <= sa.attention_smem_bytes(cfg, 4 if "fp32" in kernel else 2), r
 
 
 # attention_tiny_fp32 (a test-only D=64 fp32 config, never picked at V4 shapes) keeps 8 bytes

@@ -162,14 +162,35 @@ def test_attention_config_is_static_and_splits_small_batches():
     assert hip["BLOCK_H"] == 32 and hip["num_stages"] == 1
 
 
-def test_launch_through_wrap_triton(poison, tol):
-    """``wrap=True`` (the path a triton_op takes) launches the same kernels."""
-    args = _attention_inputs(1, 2, 4, 64, 12, 8, 10, 4, torch.float32)
-    got = _run_attention(poison, args, num_splits=2, wrap=True)
+def test_attention_config_fits_shared_memory_for_every_dtype():
+    """V4 widths (D=512, H=64/128), decode and 64-token prefill, B=1..64: every dtype's config
+    fits sm_90's shared memory by the estimate (checked against the compiler's count in
+    test_triton_cross_compile); the bf16/fp16 configs stay the tuned ones."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for S in (1, 64):
+            for B in (1, 2, 8, 64):
+                for H in (64, 128):
+                    cfg = attn.attention_config(B, S, H, 512, 128 + 512, dtype=dtype)
+                    assert attn.attention_smem_bytes(cfg, dtype.itemsize) <= attn.SMEM_LIMIT["cuda"], (dtype, cfg)
+                    if dtype != torch.float32:
+                        assert (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (64, 32, 8, 4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_attention_out_of_range_indices_are_skipped(splits, poison, tol):
+    """The raw-op contract on the Triton path: indices outside [0, rows) read like -1, as in
+    the reference with the same values."""
+    args = list(_attention_inputs(2, 2, 4, 64, 12, 8, 10, 6, torch.float32))
+    clean = list(args)
+    args[2], clean[2] = args[2].clone(), args[2].clone()
+    args[4], clean[4] = args[4].clone(), args[4].clone()
+    args[2][0, 0, :3] = torch.tensor([12, 2**31 - 1, -9], dtype=torch.int32)
+    clean[2][0, 0, :3] = -1
+    args[4][1, 1, :2] = torch.tensor([10, -2], dtype=torch.int32)
+    clean[4][1, 1, :2] = -1
+    got = _run_attention(poison, args, num_splits=splits)
     torch.testing.assert_close(got, ref.sparse_attention(*args), **tol(torch.float32))
-    q, w, k, v = _indexer_inputs(1, 2, 4, 32, 20, torch.float32, integer=True)
-    picked = indexer.indexer_topk(q, w, k, v, 8, wrap=True)
-    assert torch.equal(picked, ref.indexer_topk(q, w, k, v, 8))
+    torch.testing.assert_close(ref.sparse_attention(*args), ref.sparse_attention(*clean), rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------
@@ -287,6 +308,15 @@ def test_indexer_topk_all_invisible_and_empty_pool(poison, topk_path):
     empty = keys[:, :0]
     got = _run_topk(poison, q, w, empty, visible + 3, 8, topk_path)
     assert torch.equal(got, ref.indexer_topk(q, w, empty, visible + 3, 8))
+
+
+def test_indexer_topk_visible_out_of_range_is_clamped(poison, topk_path):
+    """The raw-op contract on the Triton path: ``visible`` reads as clamped to [0, N]."""
+    q, w, keys, _ = _indexer_inputs(2, 2, 4, 32, 20, torch.float32, integer=True)
+    visible = torch.tensor([[-4, 21], [2**31 - 1, 5]], dtype=torch.int32, device=DEVICE)
+    got = _run_topk(poison, q, w, keys, visible, 8, topk_path)
+    assert torch.equal(got, ref.indexer_topk(q, w, keys, visible, 8))
+    assert torch.equal(got, ref.indexer_topk(q, w, keys, visible.clamp(0, 20), 8))
 
 
 def test_indexer_topk_random_scores(poison, topk_path):

@@ -231,25 +231,111 @@ def test_sinkhorn_matches_reference(T, N, iters, poison):
     torch.testing.assert_close(out, ref.sinkhorn(comb, iters, 1e-6), atol=1e-6, rtol=1e-5)
 
 
-def test_launch_through_wrap_triton(poison):
-    """``wrap=True`` (the path the triton_op bodies take) launches the same kernels."""
-    args = (i32([3, 9]), i32([2, 1]), 2, 1, 4, 6, False, 4, 8, 8, 8)
-    for g, w in zip(tplan.plan(*args, wrap=True), ref.plan(*args)):
-        assert torch.equal(g, w)
-    cache = poison(torch.empty(2, 6, 8, device=DEVICE))
-    want = cache.clone()
-    values, slots = torch.randn(2, 2, 8, device=DEVICE), i32([[0, 5], [-1, 2]])
-    tcache.cache_write(cache, values, slots, wrap=True)
-    ref.cache_write(want, values, slots)
-    assert torch.equal(cache.nan_to_num(7.0), want.nan_to_num(7.0))
+def _op_inputs():
+    """Small inputs for every torch.ops.dsv4 op: (name, args), each with -1 sentinels."""
     cos, sin = _tables(32, 4)
+    cache, values, slots = torch.randn(2, 6, 8, device=DEVICE), torch.randn(2, 2, 8, device=DEVICE), \
+        i32([[0, 5], [-1, 2]])
     ring = [torch.randn(2, 8, 32, device=DEVICE) for _ in range(2)]
     new = [torch.randn(2, 2, 32, device=DEVICE) for _ in range(2)]
-    pool = poison(torch.empty(2, 4, 16, device=DEVICE))
-    want = pool.clone()
-    rest = (i32([6, 2]), i32([[1], [0]]), torch.rand(16, device=DEVICE) + 0.5, cos, sin)
-    tcompress.compress(*ring, *new, *rest, pool, 4, True, 1e-6, wrap=True)
-    ref.compress(*ring, *new, *rest, want, 4, True, 1e-6)
-    torch.testing.assert_close(pool, want, equal_nan=True, atol=1e-5, rtol=1e-5)
-    comb = torch.rand(3, 2, 4, 4, device=DEVICE) + 0.1
-    torch.testing.assert_close(tsinkhorn.sinkhorn(comb, 20, 1e-6, wrap=True), ref.sinkhorn(comb, 20, 1e-6))
+    compress = (*ring, *new, i32([6, 2]), i32([[1], [0]]), torch.rand(16, device=DEVICE) + 0.5, cos, sin,
+                torch.randn(2, 4, 16, device=DEVICE), 4, True, 1e-6)
+    q = torch.randint(-2, 3, (2, 2, 4, 32), device=DEVICE).float()
+    keys = torch.randint(-2, 3, (2, 40, 32), device=DEVICE).float()
+    indexer = (q, torch.randint(1, 3, (2, 2, 4), device=DEVICE).float(), keys, i32([[40, 3], [0, 17]]), 8)
+    attention = (torch.randn(2, 2, 4, 64, device=DEVICE), torch.randn(2, 12, 64, device=DEVICE),
+                 i32([[[0, 11, -1], [3, -1, 5]], [[7, 7, 2], [-1, -1, -1]]]), torch.randn(2, 10, 64, device=DEVICE),
+                 i32([[[9, -1], [0, 1]], [[-1, -1], [4, 2]]]), i32([[3, 0], [10, 2]]), torch.randn(4, device=DEVICE),
+                 0.125)
+    return {"plan": (i32([3, 9]), i32([2, 1]), 2, 1, 4, 6, False, 4, 8, 8, 8),
+            "cache_write": (cache, values, slots), "compress": compress, "indexer_topk": indexer,
+            "sparse_attention": attention, "sinkhorn": (torch.rand(3, 2, 4, 4, device=DEVICE) + 0.1, 20, 1e-6)}
+
+
+OP_KERNELS = {"plan": ["plan_kernel"], "cache_write": ["cache_write_kernel"], "compress": ["compress_kernel"],
+              "indexer_topk": ["indexer_scores_kernel", "topk_row_kernel"],
+              "sparse_attention": ["sparse_attention_kernel"], "sinkhorn": ["sinkhorn_kernel"]}
+OP_MODULES = {"plan": "plan", "cache_write": "cache_write", "compress": "compressor", "indexer_topk": "indexer",
+              "sparse_attention": "attention", "sinkhorn": "sinkhorn"}
+
+
+def test_op_bodies_launch_their_kernels_through_wrap_triton(monkeypatch):
+    """The Triton branch of every op body (CPU tensors take it here, under the interpreter)
+    launches its kernels through ``wrap_triton`` and matches the reference op."""
+    import sys
+
+    from dsv4_ops import lowering
+
+    monkeypatch.setattr(lowering, "use_triton", lambda device_type: True)
+    launched = []
+    for op, module in OP_MODULES.items():
+        mod = sys.modules[f"dsv4_ops.ops.{module}"]
+
+        def spy(kernel, real=mod.wrap_triton):
+            launched.append(kernel.fn.__name__)
+            return real(kernel)
+
+        monkeypatch.setattr(mod, "wrap_triton", spy)
+    for op, args in _op_inputs().items():
+        launched.clear()
+        mine = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        got = getattr(torch.ops.dsv4, op)(*mine)
+        expect = getattr(ref, op)(*want)
+        assert launched == OP_KERNELS[op], op
+        for g, w in zip(got if isinstance(got, tuple) else [got] + mine, expect if isinstance(expect, tuple)
+                        else [expect] + want):
+            if isinstance(g, torch.Tensor):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{op}: {m}")
+
+
+def test_out_of_range_values_read_like_the_reference(poison):
+    """The raw-op contract on the Triton path: slots / emitted blocks outside the tensor are
+    skipped like -1, a rope row past the table leaves the entry unrotated, negative lengths
+    and n_new count as 0 -- exactly what the reference does with the same values."""
+    cache, values = torch.randn(2, 6, 8, device=DEVICE), torch.randn(2, 3, 8, device=DEVICE)
+    bad, clean = i32([[6, 1, 99], [-5, 2, 2**31 - 1]]), i32([[-1, 1, -1], [-1, 2, -1]])
+    got, want, skipped = cache.clone(), cache.clone(), cache.clone()
+    tcache.cache_write(got, values, bad)
+    ref.cache_write(want, values, bad)
+    ref.cache_write(skipped, values, clean)
+    assert torch.equal(got, want) and torch.equal(want, skipped)
+
+    m, d, half = 4, 16, 4
+    cos, sin = _tables(6, half)  # rope rows 0..5: block 2 (position 8) is past the table
+    ring = [torch.randn(2, 2 * m, 2 * d, device=DEVICE) for _ in range(2)]
+    new = [torch.randn(2, 4, 2 * d, device=DEVICE) for _ in range(2)]
+    rest = (i32([8, 4]), torch.rand(d, device=DEVICE) + 0.5, cos, sin)
+    pool = poison(torch.empty(2, 3, d, device=DEVICE))
+    bad, clean = i32([[2, 3, -4], [1, 2**31 - 1, 7]]), i32([[2, -1, -1], [1, -1, -1]])
+    got, want, skipped = pool.clone(), pool.clone(), pool.clone()
+    tcompress.compress(*ring, *new, rest[0], bad, *rest[1:], got, m, True, 1e-6)
+    ref.compress(*ring, *new, rest[0], bad, *rest[1:], want, m, True, 1e-6)
+    ref.compress(*ring, *new, rest[0], clean, *rest[1:], skipped, m, True, 1e-6)
+    torch.testing.assert_close(got, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+    assert torch.equal(want.nan_to_num(7.0), skipped.nan_to_num(7.0))
+    assert not want[0, 2].isnan().any()  # written, unrotated
+
+    args = (3, 2, 4, 8, False, 4, 8, 8, 8)
+    for bad, clean in (((i32([-7, 5]), i32([2, -3])), (i32([0, 5]), i32([2, 0]))),):
+        got = tplan.plan(*bad, *args)
+        for g, w, c in zip(got, ref.plan(*bad, *args), ref.plan(*clean, *args)):
+            assert torch.equal(g, w) and torch.equal(w, c)
+
+
+def test_importing_the_kernels_leaves_the_interpreter_alone():
+    """The numpy-2.4 fix of Triton's interpreter is a test-only patch (conftest.py): importing
+    the package and every kernel module under ``TRITON_INTERPRET=1`` modifies nothing in Triton."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import triton.runtime.interpreter as i; before = i._patch_lang_tensor\n"
+            "import dsv4_ops, importlib\n"
+            "for m in ('sparse_attention', 'indexer', 'plan', 'cache_write', 'compress', 'sinkhorn'):\n"
+            "    importlib.import_module('dsv4_ops.lowering.triton.' + m)\n"
+            "assert i._patch_lang_tensor is before and not hasattr(i, '_dsv4_index_fix')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,9 @@
 FunctionalTensorMode), without a GPU: one ``triton_kernel_wrapper_functional`` node per kernel
 launch, no ``dsv4`` op left in the graph, and Triton's TTIR mutation analysis (run for sm_90)
 finds exactly the tensors each kernel writes -- never the "assuming every input is mutated"
-fallback, which costs copies or, in some versions, drops the kernel.
+fallback, which costs copies or, in some versions, drops the kernel. And torch's own kernel
+discovery (which keys AOTAutograd's cache on the kernels' source) finds every kernel of every
+op body, with no registration by hand.
 
 The trace runs in a subprocess without ``TRITON_INTERPRET`` (conftest sets it for this process;
 interpreted kernels cannot be wrapped), on ``meta`` tensors with the op bodies' device check
@@ -100,7 +102,28 @@ def _worker():
             launches.append((kernel.fn.__name__, sorted(node.kwargs["tensors_to_clone"])))
         elif "dsv4" in str(node.target):
             leftover.append(str(node.target))
-    print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings}))
+    import torch._library.triton as library_triton
+    from torch._library.custom_ops import OPDEFS
+
+    def names(kernels):
+        return sorted(k.fn.__name__ for k in kernels)
+
+    def literal(body):  # what the oldest scanners find: wrap_triton(<global name>) in the body itself
+        import ast
+        import inspect
+        import textwrap
+
+        calls = [n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(body))))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "wrap_triton"
+                 and n.args and isinstance(n.args[0], ast.Name)]
+        return names(body.__globals__[c.args[0].id] for c in calls)
+
+    registered = getattr(library_triton, "get_triton_kernels_for_op", None)  # 2.13; maybe absent in older
+    discovered = {op: {"body": names(library_triton.get_inner_triton_kernels(OPDEFS[op]._abstract_fn)),
+                       "literal": literal(OPDEFS[op]._abstract_fn),
+                       "registered": None if registered is None else names(registered(op))}
+                  for op in sorted(OPDEFS) if op.startswith("dsv4::")}
+    print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings, "discovered": discovered}))
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +137,27 @@ def traced():
 def test_every_op_traces_to_its_triton_kernels(traced):
     assert traced["leftover"] == [], "an op stayed opaque instead of decomposing into its kernels"
     assert [tuple(x) for x in traced["launches"]] == EXPECTED
+
+
+# every kernel each op body may launch (which ones run depends on static sizes)
+OP_KERNELS = {
+    "dsv4::cache_write": ["cache_write_kernel"],
+    "dsv4::compress": ["compress_kernel"],
+    "dsv4::indexer_topk": ["indexer_scores_kernel", "topk_kernel", "topk_row_kernel"],
+    "dsv4::plan": ["plan_kernel"],
+    "dsv4::sinkhorn": ["sinkhorn_kernel"],
+    "dsv4::sparse_attention": ["combine_kernel", "sparse_attention_kernel"],
+}
+
+
+def test_kernel_discovery_finds_every_kernel_of_every_op(traced):
+    """``get_inner_triton_kernels`` on each op body (what ``triton_op`` itself runs) and the
+    table it fills (``get_triton_kernels_for_op``) list the op's kernels: the bodies name them
+    in ``wrap_triton(<kernel>)``, so no private table is written by hand."""
+    found = traced["discovered"]
+    assert {op: d["body"] for op, d in found.items()} == OP_KERNELS
+    assert {op: d["literal"] for op, d in found.items()} == OP_KERNELS
+    assert {op: d["registered"] for op, d in found.items() if d["registered"] is not None} in (OP_KERNELS, {})
 
 
 def test_mutation_analysis_never_falls_back(traced):

@@ -6,60 +6,51 @@ Parameter names equal HF transformers' ``DeepseekV4ForCausalLM`` (``model.embed_
 everything. Numerics follow the official reference: norms, mHC, sinks, compressor gates and
 the router stay fp32 whatever the model dtype (parameters created fp32, math upcast).
 
-Two ways to run it:
+Two entry points, both ``torch.compile(model, fullgraph=True)``-able:
+
 * ``model(input_ids)`` — cache-free full forward of whole prompts from position 0:
-  ``[B, S] -> [B, S, vocab]`` logits (fp32).
-* ``model.step(input_ids, cache, lengths, n_new)`` — the incremental step the generator
-  compiles: ``n_new[b]`` new tokens per row at positions ``lengths[b]..``, all state in a
-  ``StaticCache``; one ``plan`` call per step, every layer reads the same plan.
+  ``[B, S] -> [B, S, vocab]`` fp32 logits. Needs no set-up (its scratch state is allocated
+  inside the step).
+* ``model(input_ids, lengths, n_new)`` — the cached step, after ``model.setup_caches(...)``
+  (gpt-fast style: the KV pool is non-persistent module buffers, allocated once). Row ``b``
+  brings ``n_new[b]`` new tokens (``input_ids[b, :n_new[b]]``; the rest is padding) at
+  positions ``lengths[b]..``; the pool is updated in place and the CALLER advances
+  ``lengths += n_new``. ``last_only=True`` returns only each row's last new token's logits
+  ``[B, vocab]`` (what prefill chunks and decode steps need). Rows ``B <= max_batch_size``
+  use the first ``B`` rows of the pool.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from .. import ops
-from ..cache import StaticCache
 from ..config import DSV4Config
-from ..reference.layer import RMSNorm, StepPlan, plan_step
 from ..reference.rope import rope_tables
-from .attention import Attention
-from .hyper_connection import HyperConnection, HyperHead
-from .moe import MoE
+from .attention import AttentionState, RMSNorm
+from .decoder_layer import DecoderLayer
+from .hyper_connection import HyperHead
+from .mtp import MTPBlock
+from .plan import RingSizes, StepMeta, plan_step, ring_sizes
 
-__all__ = ["DeepseekV4ForCausalLM", "DeepseekV4Model", "DecoderLayer", "DEFAULT_MAX_POSITIONS"]
+__all__ = ["DeepseekV4ForCausalLM", "DeepseekV4Model", "CacheConfig", "DEFAULT_MAX_POSITIONS"]
 
 # RoPE tables are precomputed per rope type; 1M positions would cost 256 MB each, so the
-# default covers 32K and `set_max_positions` grows them (the Generator does it for you).
+# default covers 32K and `setup_caches` / `set_max_positions` grow them.
 DEFAULT_MAX_POSITIONS = 32768
 
 
-class DecoderLayer(nn.Module):
-    """mHC around attention, then mHC around the MoE (HF ``DeepseekV4DecoderLayer``)."""
+class CacheConfig(NamedTuple):
+    """What ``setup_caches`` allocated."""
 
-    def __init__(self, cfg: DSV4Config, layer_idx: int, rope: dict[str, tuple[Tensor, Tensor]]) -> None:
-        super().__init__()
-        rope_type = "main" if cfg.compress_ratio(layer_idx) == 0 else "compress"
-        self.self_attn = Attention(cfg, layer_idx, rope=rope[rope_type])
-        self.mlp = MoE(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
-            cfg.routed_scaling_factor, cfg.swiglu_limit,
-            hash_vocab_size=cfg.vocab_size if cfg.mlp_layer_types[layer_idx] == "hash_moe" else 0,
-        )  # fmt: skip
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        hc = (cfg.hidden_size, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
-
-    def forward(self, x: Tensor, state, lengths: Tensor, n_new: Tensor, meta: StepPlan, input_ids: Tensor) -> Tensor:
-        # x: [B, S, hc_mult, hidden] residual streams
-        u, post, comb = self.attn_hc.collapse(x)
-        a = self.self_attn.step(self.input_layernorm(u), state, lengths, n_new, meta)
-        x = self.attn_hc.expand(a, x, post, comb)
-        u, post, comb = self.ffn_hc.collapse(x)
-        m = self.mlp(self.post_attention_layernorm(u), input_ids)
-        return self.ffn_hc.expand(m, x, post, comb)
+    max_batch_size: int
+    max_seq_len: int  # positions the pool can address
+    lookahead: int  # extra ring slots for steps of up to 1 + lookahead tokens in ring mode
+    mtp: bool  # the MTP block has a window ring too
+    dtype: torch.dtype
+    rings: RingSizes
+    mtp_rings: RingSizes
 
 
 class DeepseekV4Model(nn.Module):
@@ -106,8 +97,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                              "supported (only 'sqrtsoftplus', as DeepSeek-V4 ships)")
         self.config = config
         max_positions = max_positions or min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
-        from .mtp import MTPBlock  # imports DecoderLayer from this module
-
         with torch.device(device or "cpu"):
             rope = _rope(config, max_positions)
             self.model = DeepseekV4Model(config, rope)
@@ -115,8 +104,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             # the MTP (NextN) drafter: `mtp.0.*`, used by Generator(spec_steps=k)
             self.mtp = nn.ModuleList(MTPBlock(config, rope) for _ in range(min(config.num_nextn_predict_layers, 1)))
         _cast_non_fp32_params(self, dtype)
+        self.cache_config: CacheConfig | None = None
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ properties
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -129,51 +119,193 @@ class DeepseekV4ForCausalLM(nn.Module):
     def max_positions(self) -> int:
         return self.model.layers[0].self_attn.cos.shape[0]
 
+    def _attention_layers(self):
+        return [layer.self_attn for layer in [*self.model.layers, *self.mtp]]
+
     def set_max_positions(self, n: int) -> None:
         """Rebuild the shared RoPE tables for ``n`` positions (no-op if already that long)."""
         if n == self.max_positions:
             return
         rope = _rope(self.config, n, self.device)
-        for layer in [*self.model.layers, *self.mtp]:
-            attn = layer.self_attn
+        for attn in self._attention_layers():
             attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
 
-    # ------------------------------------------------------------------ running
-    def plan(self, cache, lengths: Tensor, n_new: Tensor, num_tokens: int, concat: bool | None = None) -> StepPlan:
-        """The step's one ``plan`` call: metadata every layer reads."""
-        return plan_step(self.config, lengths, n_new, num_tokens, cache.rings, concat, kernels=ops)
+    # ------------------------------------------------------------------ caches
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0, mtp: bool = False,
+                     dtype: torch.dtype | None = None) -> CacheConfig:
+        """Allocate the KV pool once, as non-persistent buffers of each attention layer: window
+        rings, compressor-input rings, compressed pools and indexer-key pools for
+        ``max_batch_size`` rows of up to ``max_seq_len`` positions (RoPE tables grow to match).
 
-    def hidden_streams(self, input_ids: Tensor, cache, lengths: Tensor, n_new: Tensor,
-                       meta: StepPlan | None = None) -> Tensor:
-        """Final residual streams ``[B, S, hc_mult, hidden]`` (before ``hc_head``)."""
+        ``lookahead``: extra ring slots so steps of ``1 + lookahead`` tokens (speculative verify)
+        run in ring mode. ``mtp``: also give the MTP block a window ring (one slot more, see
+        ``speculative.py``). ``dtype``: of the window and pools (default: the model's; the
+        compressor-input rings are fp32). Calling it again with the same arguments keeps the
+        pool (compiled graphs stay valid); other arguments re-allocate it. ``state_dict`` is
+        unchanged; ``model.to(device)`` moves the pool with the weights.
+        """
+        for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 1),
+                                 ("lookahead", lookahead, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"setup_caches: {name} must be an int >= {low}, got {value!r}")
+        if mtp and len(self.mtp) == 0:
+            raise ValueError("setup_caches: mtp=True but the model has no MTP block "
+                             "(config.num_nextn_predict_layers = 0)")
+        dtype = dtype or self.dtype
+        cfg = self.config
+        want = CacheConfig(max_batch_size, max_seq_len, lookahead, mtp, dtype, ring_sizes(cfg, lookahead),
+                           ring_sizes(cfg, lookahead + 1))
+        if want == self.cache_config and all(layer.self_attn.has_cache for layer in self.model.layers):
+            return want
+        if max_seq_len > self.max_positions:
+            self.set_max_positions(max_seq_len)
+        for layer in self.model.layers:
+            layer.self_attn.setup_cache(max_batch_size, max_seq_len, want.rings, dtype)
+        for blk in self.mtp:
+            if mtp:
+                blk.self_attn.setup_cache(max_batch_size, max_seq_len, want.mtp_rings, dtype)
+            else:
+                blk.self_attn.clear_cache()
+        self.cache_config = want
+        return want
+
+    def clear_caches(self) -> None:
+        """Free the KV pool."""
+        for attn in self._attention_layers():
+            attn.clear_cache()
+        self.cache_config = None
+
+    def cache_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for a in self._attention_layers() if a.has_cache
+                   for t in a.cache_state().tensors().values())
+
+    def cache_states(self, rows: int | None = None) -> list[AttentionState]:
+        """The main layers' cache buffers (the first ``rows`` rows)."""
+        states = [layer.self_attn.cache_state() for layer in self.model.layers]
+        return states if rows is None else [s.rows(rows) for s in states]
+
+    def mtp_cache_state(self, rows: int | None = None) -> AttentionState:
+        state = self.mtp[0].self_attn.cache_state()
+        return state if rows is None else state.rows(rows)
+
+    # ------------------------------------------------------------------ running
+    def plan(self, lengths: Tensor, n_new: Tensor, num_tokens: int, concat: bool | None = None,
+             rings: RingSizes | None = None) -> StepMeta:
+        """The step's one ``plan`` call: metadata every layer reads."""
+        return plan_step(self.config, lengths, n_new, num_tokens, rings or self.cache_config.rings, concat)
+
+    def hidden_streams(self, input_ids: Tensor, lengths: Tensor, n_new: Tensor, meta: StepMeta | None = None,
+                       states: list[AttentionState] | None = None) -> Tensor:
+        """Final residual streams ``[B, S, hc_mult, hidden]`` (before ``hc_head``) of a cached step
+        (``states``: default the cache buffers' first ``B`` rows)."""
+        if states is None:
+            states = self.cache_states(input_ids.shape[0])
         if meta is None:
-            meta = self.plan(cache, lengths, n_new, input_ids.shape[1])
+            meta = self.plan(lengths, n_new, input_ids.shape[1])
         h = self.model.embed_tokens(input_ids)
         x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for layer, state in zip(self.model.layers, cache.states):
-            x = layer(x, state, lengths, n_new, meta, input_ids)
+        for layer, state in zip(self.model.layers, states):
+            x = layer(x, meta, state, input_ids)
         return x
 
     def logits(self, streams: Tensor) -> Tensor:
         """``[..., hc_mult, hidden]`` streams -> fp32 logits ``[..., vocab]``."""
         return self.lm_head(self.model.norm(self.model.hc_head(streams))).float()
 
-    def step(self, input_ids: Tensor, cache, lengths: Tensor, n_new: Tensor, meta: StepPlan | None = None) -> Tensor:
-        """One incremental step: ``input_ids [B, S]`` (row ``b``'s first ``n_new[b]`` are real)
-        at positions ``lengths[b]..`` -> fp32 logits ``[B, S, vocab]``; the cache is updated in
-        place and the caller advances ``lengths += n_new``."""
-        return self.logits(self.hidden_streams(input_ids, cache, lengths, n_new, meta))
+    def forward(self, input_ids: Tensor, lengths: Tensor | None = None, n_new: Tensor | None = None, *,
+                last_only: bool = False) -> Tensor:
+        """Cache-free (``lengths=None``) or cached step; see the module docstring.
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Cache-free full forward of whole prompts from position 0: ``[B, S] -> [B, S, vocab]``."""
+        Returns fp32 logits ``[B, S, vocab]``, or ``[B, vocab]`` at each row's last new token
+        with ``last_only=True``. Bad shapes raise ``ValueError``; in eager mode token ids,
+        ``n_new`` and the pool's capacity are checked too (a compiled step reads no values).
+        """
+        B, S = self._check_input_ids(input_ids)
+        if lengths is None:
+            if n_new is not None:
+                raise ValueError("forward: n_new needs lengths (the cached step); the cache-free forward "
+                                 "runs every token of input_ids")
+            if S > self.max_positions:
+                raise ValueError(f"forward: input_ids has {S} tokens > max_positions {self.max_positions} "
+                                 "(grow it with model.set_max_positions)")
+            lengths = torch.zeros(B, dtype=torch.int32, device=input_ids.device)
+            n_new = torch.full_like(lengths, S)
+            states = [layer.self_attn.new_state(B, S, None, self.dtype, input_ids.device)
+                      for layer in self.model.layers]
+            meta = self.plan(lengths, n_new, S, rings=ring_sizes(self.config))
+        else:
+            n_new = self._check_cached_step(input_ids, lengths, n_new)
+            states, meta = self.cache_states(B), None
+        return self.step_logits(input_ids, lengths, n_new, states, meta, last_only)
+
+    def step_logits(self, input_ids: Tensor, lengths: Tensor, n_new: Tensor, states: list[AttentionState],
+                    meta: StepMeta | None = None, last_only: bool = False) -> Tensor:
+        """The step over explicit ``states`` (no checks): fp32 logits ``[B, S, vocab]``, or
+        ``[B, vocab]`` at each row's last new token. ``forward`` and the exported programs
+        (``dsv4_ops.export``, whose KV pool is a program input) both run this."""
+        streams = self.hidden_streams(input_ids, lengths, n_new, meta, states)
+        if last_only:
+            last = (n_new.long() - 1).clamp(min=0)
+            streams = streams[torch.arange(input_ids.shape[0], device=input_ids.device), last][:, None]
+            return self.logits(streams)[:, 0]
+        return self.logits(streams)
+
+    # ------------------------------------------------------------------ boundary checks
+    def _check_input_ids(self, input_ids: Tensor) -> tuple[int, int]:
+        if not isinstance(input_ids, Tensor):
+            raise ValueError(f"forward: input_ids must be a LongTensor [B, S], got {type(input_ids).__name__}")
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+            raise ValueError(f"forward: input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"forward: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         B, S = input_ids.shape
-        if S > self.max_positions:
-            raise ValueError(f"input_ids has {S} tokens > max_positions {self.max_positions}")
-        cache = StaticCache(self, B, max(S, 1))
-        zeros = torch.zeros(B, dtype=torch.int32, device=input_ids.device)
-        return self.step(input_ids, cache, zeros, torch.full_like(zeros, S))
+        if B == 0 or S == 0:
+            raise ValueError(f"forward: input_ids must have at least one row and one token, got shape {(B, S)}")
+        if _reads_values(input_ids):
+            bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+            if bool(bad.any()):
+                b, s = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"forward: input_ids[{b}, {s}] = {int(input_ids[b, s])} is outside "
+                                 f"[0, vocab_size={self.config.vocab_size})")
+        return B, S
+
+    def _check_cached_step(self, input_ids: Tensor, lengths: Tensor, n_new: Tensor | None) -> Tensor:
+        cc = self.cache_config
+        if cc is None:
+            raise ValueError("forward: the cached step (lengths given) needs model.setup_caches(max_batch_size, "
+                             "max_seq_len) first")
+        B, S = input_ids.shape
+        if B > cc.max_batch_size:
+            raise ValueError(f"forward: input_ids has {B} rows > max_batch_size {cc.max_batch_size} "
+                             "of setup_caches")
+        if n_new is None:
+            n_new = torch.full((B,), S, dtype=torch.int32, device=input_ids.device)
+        for name, t in (("lengths", lengths), ("n_new", n_new)):
+            if not isinstance(t, Tensor) or t.shape != (B,) or t.dtype != torch.int32:
+                raise ValueError(f"forward: {name} must be an int32 tensor of shape [{B}] (the rows of "
+                                 f"input_ids), got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        if _reads_values(lengths, n_new):
+            if bool(((n_new < 0) | (n_new > S)).any()):
+                raise ValueError(f"forward: n_new must be in [0, {S}] (input_ids.shape[1]), got {n_new.tolist()}")
+            end = lengths.long() + n_new.long()
+            if bool(((lengths < 0) | (end > cc.max_seq_len)).any()):
+                raise ValueError(f"forward: lengths + n_new = {end.tolist()} exceeds the pool's max_seq_len "
+                                 f"{cc.max_seq_len} (or lengths < 0): call setup_caches with a larger max_seq_len")
+        return n_new
+
+
+def _reads_values(*tensors: Tensor) -> bool:
+    """Boundary value checks read device data (a host sync): eager only, never while compiling,
+    exporting or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t):
+            return False
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+    return True
 
 
 def _cast_non_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:

@@ -26,7 +26,8 @@ class Router(nn.Module):
         self.top_k, self.route_scale, self.is_hash = top_k, route_scale, hash_vocab_size > 0
         self.weight = nn.Parameter(torch.randn(n_experts, dim) * 0.02)
         if self.is_hash:
-            self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, top_k, dtype=torch.long))
+            # a checkpoint overwrites it; random ids keep a freshly built model's tokens spread out
+            self.register_buffer("tid2eid", torch.randint(0, n_experts, (hash_vocab_size, top_k)))
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
 

@@ -24,9 +24,12 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..config import SLIDING, DSV4Config
-from ..reference.layer import RMSNorm, StepPlan
+from .attention import AttentionState, RMSNorm
+from .decoder_layer import DecoderLayer
 from .hyper_connection import HyperHead
-from .model import DecoderLayer
+from .plan import StepMeta
+
+__all__ = ["MTPBlock", "mtp_config"]
 
 
 def mtp_config(cfg: DSV4Config) -> DSV4Config:
@@ -47,13 +50,13 @@ class MTPBlock(DecoderLayer):
         self.hc_head = HyperHead(dim, cfg.hc_mult, cfg.hc_eps, eps)
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, streams: Tensor, tok_embeds: Tensor, state, lengths: Tensor, n_new: Tensor,
-                meta: StepPlan, input_ids: Tensor) -> Tensor:
-        """``streams [B, S, N, dim]`` at positions ``lengths..``, ``tok_embeds [B, S, dim]`` the
+    def forward(self, streams: Tensor, tok_embeds: Tensor, meta: StepMeta, state: AttentionState,
+                input_ids: Tensor) -> Tensor:
+        """``streams [B, S, N, dim]`` at positions ``meta.start..``, ``tok_embeds [B, S, dim]`` the
         embeddings of the NEXT tokens -> the block's output streams ``[B, S, N, dim]``."""
         e = self.e_proj(self.enorm(tok_embeds))
         h = self.h_proj(self.hnorm(streams))
-        return super().forward(h + e.unsqueeze(2), state, lengths, n_new, meta, input_ids)
+        return super().forward(h + e.unsqueeze(2), meta, state, input_ids)
 
     def hidden(self, streams: Tensor) -> Tensor:
         """Output streams -> the normed hidden state the shared ``lm_head`` reads."""

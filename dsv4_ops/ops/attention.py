@@ -1,10 +1,13 @@
 """``dsv4::sparse_attention``: MQA over window ∪ compressed entries with a per-head sink."""
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import sparse_attention as sa
+from ..lowering.triton.sparse_attention import combine_kernel, sparse_attention_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::sparse_attention", mutates_args=())
@@ -16,16 +19,22 @@ def _sparse_attention(
                  lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D]")
     torch._check(kv_idx.dim() == 3 and cmp_idx.dim() == 3 and cmp_len.dim() == 2 and sink.dim() == 1,
                  lambda: "sparse_attention: kv_idx [B, S, W], cmp_idx [B, S, K], cmp_len [B, S], sink [H]")
+    torch._check(kv.shape[0] == q.shape[0] and cmp.shape[0] == q.shape[0],
+                 lambda: "sparse_attention: B of kv / cmp and q differ")
+    torch._check(kv_idx.shape[:2] == q.shape[:2] and cmp_idx.shape[:2] == q.shape[:2]
+                 and cmp_len.shape == q.shape[:2], lambda: "sparse_attention: [B, S] of the indices and q differ")
     torch._check(kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
     torch._check(cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
     if use_triton(q):
-        return launchers("sparse_attention").sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale,
-                                                              wrap=True)
+        launches = sa.attention_launches(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
+        main, combine = launches.attention, launches.combine
+        if main is not None:
+            wrap_triton(sparse_attention_kernel)[main.grid](*main.args, **main.meta)
+        if combine is not None:
+            wrap_triton(combine_kernel)[combine.grid](*combine.args, **combine.meta)
+        return launches.out
     return ref.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale).contiguous()
-
-
-key_kernels("dsv4::sparse_attention", "sparse_attention", ("sparse_attention_kernel", "combine_kernel"))
 
 
 def sparse_attention(
@@ -38,6 +47,10 @@ def sparse_attention(
     prefix ``cmp[b, :cmp_len[b, s]]``. With ``l_j = scale * q[b, s, h] . e_j``:
     ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink[h]))``, math in fp32. A query with no
     entries gets zeros.
+
+    The raw op ``torch.ops.dsv4.sparse_attention`` checks shapes only; on every backend it
+    skips indices outside ``[0, N)`` / ``[0, Nc)`` like ``-1`` and clamps ``cmp_len`` to
+    ``[0, Nc]``. This wrapper rejects such values instead.
 
     Args:
         q: ``[B, S, H, D]`` float queries.

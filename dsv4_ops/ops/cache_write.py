@@ -1,10 +1,13 @@
 """``dsv4::cache_write``: scatter new rows into a ring or pool by slot (mutating)."""
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import cache_write as cw
+from ..lowering.triton.cache_write import cache_write_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::cache_write", mutates_args=("cache",))
@@ -17,12 +20,11 @@ def _cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
     torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
     if use_triton(cache):
-        launchers("cache_write").cache_write(cache, values, slots, wrap=True)
+        spec = cw.cache_write_launch(cache, values, slots)
+        if spec is not None:
+            wrap_triton(cache_write_kernel)[spec.grid](*spec.args, **spec.meta)
     else:
         ref.cache_write(cache, values, slots)
-
-
-key_kernels("dsv4::cache_write", "cache_write", ("cache_write_kernel",))
 
 
 def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
@@ -37,6 +39,10 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
 
     Serves the window ring (``plan.win_write``), the compressor-input rings
     (``plan.csa_write`` / ``plan.hca_write``) and any pool. Returns ``None``.
+
+    The raw op ``torch.ops.dsv4.cache_write`` checks shapes only; on every backend it skips
+    slots outside ``[0, N)`` like ``-1``. This wrapper rejects such slots (and repeated ones,
+    whose write order no backend defines) instead.
     """
     op = "cache_write"
     v.rank(op, "cache", cache, "[B, N, C]")

@@ -1,10 +1,13 @@
 """``dsv4::compress``: pooled, normed, roped entry of every block a step completes (mutating)."""
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import compress as cp
+from ..lowering.triton.compress import compress_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::compress", mutates_args=("pool",))
@@ -20,16 +23,20 @@ def _compress(
     c = 2 if overlap else 1
     torch._check(ring_kv.shape[-1] == c * d, lambda: f"compress: ring_kv last dim must be {c}*d")
     torch._check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
+    torch._check(ring_gate.shape == ring_kv.shape and new_gate.shape == new_kv.shape,
+                 lambda: "compress: gates must have the shapes of their kv")
+    torch._check(ring_kv.shape[0] == pool.shape[0] and new_kv.shape[0] == pool.shape[0]
+                 and start.shape == pool.shape[:1] and emit.shape[0] == pool.shape[0],
+                 lambda: "compress: B of ring/new/start/emit and pool differ")
     torch._check(2 * cos.shape[-1] <= d, lambda: "compress: rope dims 2*cos.shape[-1] exceed d")
-    torch._check(ratio > 0, lambda: "compress: ratio must be > 0")
+    torch._check(ratio > 0, lambda: "compress: ratio must be > 0")  # a block of no slots has no softmax
     args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps)
     if use_triton(pool):
-        launchers("compress").compress(*args, wrap=True)
+        spec = cp.compress_launch(*args)
+        if spec is not None:
+            wrap_triton(compress_kernel)[spec.grid](*spec.args, **spec.meta)
     else:
         ref.compress(*args)
-
-
-key_kernels("dsv4::compress", "compress", ("compress_kernel",))
 
 
 def compress(
@@ -61,6 +68,11 @@ def compress(
 
     Call it before writing this step's rows into the ring (``cache_write`` with
     ``plan.*_write``): the ring then still holds the open block's earlier tokens.
+
+    The raw op ``torch.ops.dsv4.compress`` checks shapes only; on every backend it skips
+    ``emit`` entries outside ``[0, N)`` like ``-1`` and leaves an entry whose rope row is past
+    the table (``m*i >= P``) unrotated; a block that is incomplete or older than the ring
+    pools whatever rows its positions map to. This wrapper rejects all of these instead.
     """
     op = "compress"
     for name, t, layout in (("ring_kv", ring_kv, "[B, R, c*d]"), ("ring_gate", ring_gate, "[B, R, c*d]"),

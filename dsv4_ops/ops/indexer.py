@@ -1,10 +1,13 @@
 """``dsv4::indexer_topk``: lightning-indexer scores and fixed-width top-k with -1 sentinels."""
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import indexer as ix
+from ..lowering.triton.indexer import indexer_scores_kernel, topk_kernel, topk_row_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::indexer_topk", mutates_args=())
@@ -14,15 +17,20 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     torch._check(q.dim() == 4 and weights.dim() == 3 and keys.dim() == 3 and visible.dim() == 2,
                  lambda: "indexer_topk: q [B, S, HI, DI], weights [B, S, HI], keys [B, N, DI], visible [B, S]")
     torch._check(keys.shape[-1] == q.shape[-1], lambda: "indexer_topk: DI of keys and q differ")
-    torch._check(visible.shape[0] == q.shape[0], lambda: "indexer_topk: B of visible and q differ")
-    torch._check(visible.shape[1] == q.shape[1], lambda: "indexer_topk: S of visible and q differ")
-    torch._check(topk >= 1, lambda: "indexer_topk: topk must be >= 1")
+    torch._check(keys.shape[0] == q.shape[0], lambda: "indexer_topk: B of keys and q differ")
+    torch._check(weights.shape == q.shape[:3], lambda: "indexer_topk: weights must be [B, S, HI] of q")
+    torch._check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")
     if use_triton(q):
-        return launchers("indexer").indexer_topk(q, weights, keys, visible, topk, wrap=True)
+        launches = ix.indexer_launches(q, weights, keys, visible, topk)
+        scores, row, loop = launches.scores, launches.topk_row, launches.topk_loop
+        if scores is not None:
+            wrap_triton(indexer_scores_kernel)[scores.grid](*scores.args, **scores.meta)
+        if row is not None:
+            wrap_triton(topk_row_kernel)[row.grid](*row.args, **row.meta)
+        if loop is not None:
+            wrap_triton(topk_kernel)[loop.grid](*loop.args, **loop.meta)
+        return launches.out
     return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
-
-
-key_kernels("dsv4::indexer_topk", "indexer", ("indexer_scores_kernel", "topk_row_kernel", "topk_kernel"))
 
 
 def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
@@ -41,6 +49,10 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
 
     Returns ``[B, S, topk] int32``: the ``min(topk, visible)`` best entries in descending score
     order, **ties to the lower index**; remaining slots are ``-1``.
+
+    The raw op ``torch.ops.dsv4.indexer_topk`` checks shapes only; on every backend it clamps
+    ``visible`` to ``[0, N]`` (and ``topk = 0`` gives ``[B, S, 0]``). This wrapper rejects
+    such values instead.
     """
     op = "indexer_topk"
     v.rank(op, "q", q, "[B, S, HI, DI]")

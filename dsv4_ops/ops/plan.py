@@ -3,10 +3,13 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import plan as pl
+from ..lowering.triton.plan import plan_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::plan", mutates_args=())
@@ -19,15 +22,15 @@ def _plan(
     torch._check(lengths.dim() == 1, lambda: f"plan: lengths must be [B], got {lengths.dim()}-d")
     torch._check(n_new.dim() == 1, lambda: f"plan: n_new must be [B], got {n_new.dim()}-d")
     torch._check(n_new.shape[0] == lengths.shape[0], lambda: "plan: n_new and lengths must have the same B")
-    torch._check(csa_ratio > 0 and hca_ratio > 0, lambda: "plan: ratios must be > 0")
+    torch._check(csa_ratio > 0 and hca_ratio > 0, lambda: "plan: ratios must be > 0")  # emit widths S/m
     args = (lengths, n_new, num_tokens, steps, window, win_ring, win_concat, csa_ratio, csa_ring, hca_ratio,
             hca_ring)
     if use_triton(lengths):
-        return tuple(launchers("plan").plan(*args, wrap=True))
+        out, spec = pl.plan_launch(*args)
+        if spec is not None:
+            wrap_triton(plan_kernel)[spec.grid](*spec.args, **spec.meta)
+        return out
     return tuple(t.contiguous() for t in ref.plan(*args))
-
-
-key_kernels("dsv4::plan", "plan", ("plan_kernel",))
 
 
 class Plan(NamedTuple):
@@ -42,6 +45,10 @@ class Plan(NamedTuple):
     hca_len: Tensor
     hca_emit: Tensor
     hca_write: Tensor
+
+    def step(self, i: int) -> "Plan":
+        """Sub-step ``i`` of a multi-step plan: the same fields without the ``[steps]`` dim."""
+        return Plan(*(t[i] for t in self))
 
 
 def plan(
@@ -71,6 +78,9 @@ def plan(
     ``win_idx`` entries at negative positions, unused emit slots; ``*_len`` is 0 for padding.
     A new token's ring write is skipped when a later token of the same step lands on the same
     slot, so slots of one row are always distinct.
+
+    The raw op ``torch.ops.dsv4.plan`` checks shapes only; on every backend it counts negative
+    ``lengths`` / ``n_new`` as 0. This wrapper rejects them (and every other bad value) instead.
     """
     op = "plan"
     v.rank(op, "lengths", lengths, "[B]")

@@ -1,10 +1,13 @@
 """``dsv4::sinkhorn``: the mHC residual-mixing matrix made about doubly stochastic."""
 import torch
 from torch import Tensor
+from torch.library import wrap_triton
 
+from ..lowering.triton import sinkhorn as sk
+from ..lowering.triton.sinkhorn import sinkhorn_kernel
 from ..reference import ops as ref
 from . import _validate as v
-from ._backend import key_kernels, launchers, use_triton
+from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::sinkhorn", mutates_args=())
@@ -12,11 +15,11 @@ def _sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py).
     torch._check(comb.dim() >= 2 and comb.shape[-1] == comb.shape[-2], lambda: "sinkhorn: comb [..., N, N]")
     if use_triton(comb):
-        return launchers("sinkhorn").sinkhorn(comb, iters, eps, wrap=True)
+        out, spec = sk.sinkhorn_launch(comb, iters, eps)
+        if spec is not None:
+            wrap_triton(sinkhorn_kernel)[spec.grid](*spec.args, **spec.meta)
+        return out
     return ref.sinkhorn(comb, iters, eps).contiguous()
-
-
-key_kernels("dsv4::sinkhorn", "sinkhorn", ("sinkhorn_kernel",))
 
 
 def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:

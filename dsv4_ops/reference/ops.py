@@ -15,6 +15,11 @@ Position-addressed state (DESIGN.md rule 3): token ``p`` of a row lives at ring
 slot ``p % R``; compressed entry ``i`` (block of positions ``[m*i, m*i + m)``)
 lives at pool index ``i``. A row's only mutable scalar is its length. ``-1``
 means "nothing" in every index tensor.
+
+Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject
+them, the raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the
+same way, these functions included: an index or slot outside its tensor is skipped like
+``-1``, a count is clamped to its range. Each op's docstring says which.
 """
 from __future__ import annotations
 
@@ -119,10 +124,12 @@ def plan(
         csa_emit   ``[steps, B, ceil(S/m)]`` blocks completed by the new tokens, -1 pad
         csa_write  ``[steps, B, S]``   compressor-ring slot of each new token, -1 = skip
         hca_len, hca_emit, hca_write   the same for the HCA rate
+
+    Raw-op contract: negative ``lengths`` / ``n_new`` count as 0.
     """
     device = lengths.device
-    lengths = lengths.to(torch.int64)
-    n_new = n_new.to(torch.int64)
+    lengths = lengths.to(torch.int64).clamp(min=0)
+    n_new = n_new.to(torch.int64).clamp(min=0)
     step = torch.arange(steps, device=device)[:, None]  # [steps, 1]
     start = lengths[None, :] + step * n_new[None, :]  # [steps, B]
     end = start + n_new[None, :]
@@ -163,10 +170,12 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     cache ``[B, N, C]``, values ``[B, S, C]`` (same dtype), slots ``[B, S] int32``.
     Serves the window ring, the compressor-input rings and any pool. Slots of one row
     must be distinct (``plan`` guarantees it).
+
+    Raw-op contract: slots outside ``[0, N)`` are skipped like -1.
     """
     B, S = slots.shape
     N = cache.shape[1]
-    keep = slots >= 0
+    keep = (slots >= 0) & (slots < N)
     # Skipped rows are routed to a scratch row N, then dropped: no data-dependent shapes.
     tgt = torch.where(keep, slots.long(), torch.full_like(slots, N, dtype=torch.long))
     padded = torch.cat([cache, cache.new_zeros(B, 1, cache.shape[2])], dim=1)
@@ -210,6 +219,10 @@ def compress(
         eps: RMSNorm epsilon.
 
     Per channel, the entry is ``sum_slots softmax_slots(gate) * kv`` in fp32.
+
+    Raw-op contract: ``emit`` entries outside ``[0, N)`` are skipped like -1; an entry whose
+    rope row is past the table (``m*i >= P``) is left unrotated. (A block that is not
+    complete, or older than the ring, pools whatever rows its positions map to.)
     """
     B, E = emit.shape
     d = pool.shape[-1]
@@ -217,7 +230,9 @@ def compress(
     R = ring_kv.shape[1]
     S = new_kv.shape[1]
     dev = emit.device
-    blk = emit.long().clamp(min=0)  # [B, E]; invalid blocks computed then dropped
+    N = pool.shape[1]
+    emitted = (emit >= 0) & (emit < N)
+    blk = torch.where(emitted, emit.long(), 0)  # [B, E]; skipped blocks computed then dropped
     start = start.long()
 
     def gather_rows(pos: Tensor, ring: Tensor, new: Tensor) -> Tensor:
@@ -251,10 +266,18 @@ def compress(
     pooled = (kv * gate.softmax(dim=2)).sum(dim=2)  # [B, E, d]
     entry = rms_norm(pooled, norm_weight, eps)
     bpos = blk * m
-    entry = apply_rope(entry, cos[bpos], sin[bpos])
+    P = cos.shape[0]
+    if P > 0:
+        in_table = (bpos < P)[..., None]
+        row = bpos.clamp(max=P - 1)
+        c = torch.where(in_table, cos[row].float(), 1.0)
+        s = torch.where(in_table, sin[row].float(), 0.0)
+    else:
+        c = cos.new_ones(B, E, cos.shape[-1], dtype=torch.float32)
+        s = torch.zeros_like(c)
+    entry = apply_rope(entry, c, s)
 
-    N = pool.shape[1]
-    tgt = torch.where(emit >= 0, blk, torch.full_like(blk, N))
+    tgt = torch.where(emitted, blk, torch.full_like(blk, N))
     padded = torch.cat([pool, pool.new_zeros(B, 1, d)], dim=1)
     padded.scatter_(1, tgt[..., None].expand(B, E, d), entry.to(pool.dtype))
     pool.copy_(padded[:, :N])
@@ -287,6 +310,8 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     descending score; **ties go to the lower entry index** (a stable sort), so the
     choice among equal scores (e.g. many exact zeros from the ReLUs) is deterministic.
     Remaining slots are -1.
+
+    Raw-op contract: ``visible`` is clamped to ``[0, N]``.
     """
     B, S = visible.shape
     N = keys.shape[1]
@@ -332,6 +357,9 @@ def sparse_attention(
     Returns ``[B, S, H, D]`` in ``q.dtype``:
     ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink_h))`` with ``l_j = scale q.e_j``
     in ONE softmax over all entries (fp32). A query with no entries gets zeros.
+
+    Raw-op contract: indices outside ``[0, N)`` / ``[0, Nc)`` are skipped like -1;
+    ``cmp_len`` is clamped to ``[0, Nc]``.
     """
     B, S, H, D = q.shape
     Nc = cmp.shape[1]
@@ -344,8 +372,8 @@ def sparse_attention(
         safe = idx.long().clamp(min=0).reshape(B, S * L, 1).expand(-1, -1, D)
         return torch.gather(src.float(), 1, safe).view(B, S, L, D)
 
-    ent = [gather(kv, kv_idx), gather(cmp, cmp_idx)]
-    ok = [kv_idx >= 0, cmp_idx >= 0]
+    ok = [(kv_idx >= 0) & (kv_idx < kv.shape[1]), (cmp_idx >= 0) & (cmp_idx < Nc)]
+    ent = [gather(kv, torch.where(ok[0], kv_idx, 0)), gather(cmp, torch.where(ok[1], cmp_idx, 0))]
     if Nc > 0:
         ent.append(cmp.float()[:, None].expand(B, S, Nc, D))
         ok.append(torch.arange(Nc, device=q.device) < cmp_len[..., None])

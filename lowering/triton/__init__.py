@@ -1,4 +1,4 @@
-"""Triton kernels and raw launchers, one module per op family.
+"""Triton kernels, their launch configurations and raw launchers, one module per op family.
 
 - ``sparse_attention``: MQA over window ∪ compressed entries with the sink, split-KV.
 - ``indexer``: lightning-indexer scores + radix top-k with the reference tie rule.
@@ -7,10 +7,10 @@
 - ``compress``: compressor emission fused with RMSNorm, RoPE and the pool write.
 - ``sinkhorn``: the mHC mixing matrix's whole Sinkhorn loop in registers, one launch.
 
-Every launcher has the reference op's signature plus ``out=`` (where the op returns tensors)
-and ``wrap=`` (launch through ``torch.library.wrap_triton``, as the ``triton_op`` bodies in
-``dsv4_ops/ops`` do).
-
-Submodules are imported lazily by their users: importing this package does not import
-Triton, so CPU-only installs without Triton can still import ``dsv4_ops``.
+Each module has ``*_launch`` / ``*_launches`` functions that return the outputs and the
+:class:`~._launch.Launch` (grid, arguments, constexprs: pure functions of static shapes) of
+each kernel; the ``triton_op`` bodies in ``dsv4_ops/ops`` launch those through
+``wrap_triton(<kernel>)``. Every raw launcher (``sparse_attention``, ``indexer_topk``, ...)
+has the reference op's signature plus ``out=`` where the op returns tensors, and launches
+the same kernels directly (tests, benchmarks).
 """

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from ._launch import Launch, launch, next_pow2
 
-__all__ = ["cache_write", "cache_write_kernel", "cache_write_config"]
+__all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch"]
 
 
 @triton.jit
@@ -43,21 +43,19 @@ def cache_write_config(C: int) -> dict:
     return dict(BLOCK_C=block_c, num_warps=4 if block_c >= 512 else 2)
 
 
-def cache_write(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, *, wrap: bool = False) -> None:
-    """Raw launcher with the reference signature; writes ``cache`` in place, returns ``None``.
-
-    Slots outside ``[0, N)`` are skipped like ``-1``. ``wrap=True`` launches through
-    ``torch.library.wrap_triton`` (inside a ``triton_op``).
-    """
+def cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> Launch | None:
+    """The ``cache_write_kernel`` launch (``None``: nothing to write)."""
     B, S = slots.shape
     N, C = cache.shape[1], cache.shape[2]
     if B * S * C == 0 or N == 0:
         return None
     cfg = cache_write_config(C)
-    launch(
-        cache_write_kernel, (B * S, -(-C // cfg["BLOCK_C"])),
-        cache, values, slots, S, N, C,
-        *cache.stride(), *values.stride(), *slots.stride(),
-        BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"], wrap=wrap,
-    )
-    return None
+    return Launch((B * S, -(-C // cfg["BLOCK_C"])),
+                  (cache, values, slots, S, N, C, *cache.stride(), *values.stride(), *slots.stride()),
+                  dict(BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"]))
+
+
+def cache_write(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    """Raw launcher with the reference signature; writes ``cache`` in place, returns ``None``.
+    Slots outside ``[0, N)`` are skipped like ``-1``."""
+    launch(cache_write_kernel, cache_write_launch(cache, values, slots))

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from ._launch import Launch, launch, next_pow2
 
-__all__ = ["compress", "compress_kernel", "compress_config"]
+__all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def compress_config(d: int, half: int, ratio: int, overlap: bool) -> dict:
     return dict(PAR=par, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4 if block_d <= 512 else 8)
 
 
-def compress(
+def compress_launch(
     ring_kv: torch.Tensor,
     ring_gate: torch.Tensor,
     new_kv: torch.Tensor,
@@ -149,15 +149,8 @@ def compress(
     ratio: int,
     overlap: bool,
     eps: float,
-    *,
-    wrap: bool = False,
-) -> None:
-    """Raw launcher with the reference signature; writes ``pool`` in place, returns ``None``.
-
-    Emitted blocks ``>= N`` are skipped, rope rows ``>= P`` are left unrotated (the public
-    op rejects both before a kernel runs). ``wrap=True`` launches through
-    ``torch.library.wrap_triton`` (inside a ``triton_op``).
-    """
+) -> Launch | None:
+    """The ``compress_kernel`` launch (``None``: nothing to emit)."""
     B, E = emit.shape
     N, d = pool.shape[1], pool.shape[2]
     R, S = ring_kv.shape[1], new_kv.shape[1]
@@ -167,14 +160,18 @@ def compress(
     if S == 0:  # never read (no position is fresh), but the kernel needs real pointers
         new_kv, new_gate = ring_kv, ring_gate
     cfg = compress_config(d, half, ratio, overlap)
-    launch(
-        compress_kernel, (B * E,),
-        ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool,
-        float(eps),
-        E, S, R, N, cos.shape[0], d, half, ratio,
-        *ring_kv.stride(), *ring_gate.stride(), *new_kv.stride(), *new_gate.stride(),
-        start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool.stride(),
-        OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-        num_warps=cfg["num_warps"], wrap=wrap,
-    )
-    return None
+    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool,
+            float(eps),
+            E, S, R, N, cos.shape[0], d, half, ratio,
+            *ring_kv.stride(), *ring_gate.stride(), *new_kv.stride(), *new_gate.stride(),
+            start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool.stride())
+    return Launch((B * E,), args, dict(OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"],
+                                       BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"]))
+
+
+def compress(*args, **kwargs) -> None:
+    """Raw launcher with the reference signature (that of :func:`compress_launch`); writes
+    ``pool`` in place, returns ``None``.
+    Emitted blocks outside ``[0, N)`` are skipped like ``-1``; rope rows ``>= P`` are left
+    unrotated (the raw-op contract, shared with the reference)."""
+    launch(compress_kernel, compress_launch(*args, **kwargs))

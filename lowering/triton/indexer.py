@@ -25,14 +25,17 @@ Three kernels:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import backend, launch, next_pow2, sm_count
+from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
-           "topk_row_kernel", "indexer_config"]
+           "topk_row_kernel", "indexer_config", "indexer_launches", "scores_launch", "topk_launches",
+           "IndexerLaunches"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -111,8 +114,8 @@ def _ordered_key(x):
 def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr):
     """Sort the ``k_eff`` compacted indices in ``out_row`` by score descending, then index
     ascending, and fill slots ``k_eff .. TOPK`` with -1. The indices are packed with their
-    keys into uint64 ``key << 32 | ~index`` for one bitonic ``tl.sort`` (measured ~2x faster
-    on the H200 than ranking each pick by counting the picks that beat it)."""
+    keys into uint64 ``key << 32 | ~index`` for one bitonic ``tl.sort`` (``k log^2 k``
+    compare-swaps, where ranking each pick by counting the picks that beat it takes ``k^2``)."""
     j = tl.arange(0, KPAD)
     picked = j < k_eff
     idx = tl.load(out_row + j * so_k, mask=picked, other=0)
@@ -134,10 +137,8 @@ def topk_kernel(
     so_b, so_s, so_k,
     BLOCK: tl.constexpr, KPAD: tl.constexpr,
 ):
-    # (inline, not a helper: with the prologue in a helper -- one returning the row
-    # pointers, or even one only loading visible and returning scalars -- torch's mutation
-    # analysis counted its pointer arguments as written (test_triton_op_trace), and
-    # Inductor would clone those tensors before every launch)
+    # prologue inline, not in a helper: torch's TTIR mutation analysis counts the pointer
+    # arguments of a helper as written, and Inductor would clone them before every launch
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -200,14 +201,12 @@ def topk_row_kernel(
     """``topk_kernel`` for rows of at most ``ROW`` scores, with the row held in registers.
 
     The row is read once; the radix select uses ``BITS``-bit digits (a histogram's cost
-    grows with its bins: 5-bit digits beat 4- and 8-bit ones on the H200) and stops as soon as the
+    grows with its bins, the number of passes shrinks with them) and stops as soon as the
     threshold's digit bin holds exactly the picks still needed, which also makes the
     compaction one prefix sum instead of two (no tie rank needed).
     """
-    # (inline, not a helper: with the prologue in a helper -- one returning the row
-    # pointers, or even one only loading visible and returning scalars -- torch's mutation
-    # analysis counted its pointer arguments as written (test_triton_op_trace), and
-    # Inductor would clone those tensors before every launch)
+    # prologue inline, not in a helper: torch's TTIR mutation analysis counts the pointer
+    # arguments of a helper as written, and Inductor would clone them before every launch
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -267,18 +266,14 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
 
     Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
     program loops over ``CHUNK`` entries with its ``q`` loaded once and the key loads
-    pipelined; ``CHUNK`` is sized so that the grid is about ``2 * sms`` programs (short
-    rows or few tokens get small chunks, so the GPU still fills). H200 sweep (B=64, 32K):
-    CHUNK 2048 36.0 us (87% of the keys' bytes floor), 1024 37.1 us, 64 (one block per
-    program) 43.4 us; B=1: CHUNK 64 3.8 us, 1024 10.7 us.
+    pipelined; ``CHUNK`` is sized so that the grid is about ``2 * sms`` programs: long chunks
+    amortise the ``q`` load, short ones still fill the GPU for short rows or few tokens.
     Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 128K context)
     take ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps``
-    warps); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
-    ``loop_warps`` warps). H200 sweeps (``benchmarks/sweep_kernels.py``), top-k pass alone,
-    k=512, B=64 / B=1: 8192 scores: 5-bit digits x 16 warps 24.2 / 18.6 us, 4-bit 24.9 /
-    19.4 us, 8-bit 28.3 / 21.7 us, the looped kernel 34.3 / 34.1 us; 32768 scores (past 16K
-    the row kernel keeps part of the row on the stack, and is still faster): 5-bit 74.6 /
-    64.5 us, 4-bit 123.3 / 82.4 us, the looped kernel 118.8 / 118.7 us.
+    warps; past 16K scores part of the row lives on the stack, and it is still the faster
+    kernel); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
+    ``loop_warps`` warps). The values are the fastest of the H200 sweeps
+    (BENCHMARKS.md, "Kernel design notes").
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware.
@@ -292,63 +287,93 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
                 row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)))
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                   out: torch.Tensor | None = None, *, config: dict | None = None,
-                   wrap: bool = False) -> torch.Tensor:
-    """``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``.
-    ``config`` overrides keys of ``indexer_config`` (tuning sweeps, tests)."""
+def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                  out: torch.Tensor | None = None, *, config: dict | None = None
+                  ) -> tuple[torch.Tensor, Launch | None]:
+    """``[B, S, N] fp32`` scores and the ``indexer_scores_kernel`` launch that fills them
+    (``None``: empty). ``config`` overrides keys of ``indexer_config``."""
     B, S, HI, DI = q.shape
     N = keys.shape[1]
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
-        return out
+        return out, None
     cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend()), **(config or {})}
-    launch(
-        indexer_scores_kernel, (B * S, -(-N // cfg["CHUNK"])),
-        q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
-        S, HI, N,
-        *q.stride(), *weights.stride(), *keys.stride(), *visible.stride(), *out.stride(),
-        DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
-        CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=wrap,
-    )
-    return out
+    args = (q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
+            S, HI, N,
+            *q.stride(), *weights.stride(), *keys.stride(), *visible.stride(), *out.stride())
+    return out, Launch((B * S, -(-N // cfg["CHUNK"])), args,
+                       dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
+                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET,
+                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor, cfg: dict,
-                     *, wrap: bool = False) -> torch.Tensor:
-    """The top-k pass alone, over precomputed ``[B, S, N]`` scores (``cfg``: ``indexer_config``)."""
+def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
+                  cfg: dict) -> tuple[Launch | None, Launch | None]:
+    """The top-k pass over ``[B, S, N]`` scores into ``out``: ``(topk_row_kernel launch,
+    topk_kernel launch)``, exactly one of them not ``None`` (``cfg``: ``indexer_config``)."""
     B, S, N = scores.shape
     args = (scores, visible, out, S, N, topk, *scores.stride(), *visible.stride(), *out.stride())
     if N <= cfg["TOPK_ROW"]:
-        launch(topk_row_kernel, (B * S,), *args, ROW=max(16, next_pow2(N)), KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"],
-               num_warps=cfg["row_warps"], wrap=wrap)
-    else:
-        launch(topk_kernel, (B * S,), *args, BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"],
-               num_warps=cfg["loop_warps"], wrap=wrap)
-    return out
+        return Launch((B * S,), args, dict(ROW=max(16, next_pow2(N)), KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"],
+                                           num_warps=cfg["row_warps"])), None
+    return None, Launch((B * S,), args, dict(BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"],
+                                             num_warps=cfg["loop_warps"]))
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                 topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
-                 config: dict | None = None, wrap: bool = False) -> torch.Tensor:
-    """Raw launcher with the reference signature: ``[B, S, topk] int32``, -1 sentinels.
+class IndexerLaunches(NamedTuple):
+    out: torch.Tensor  # [B, S, topk] int32
+    scores: Launch | None  # indexer_scores_kernel (None: no entries)
+    topk_row: Launch | None  # topk_row_kernel (rows of up to TOPK_ROW scores)
+    topk_loop: Launch | None  # topk_kernel (longer rows)
 
-    ``scores`` (optional ``[B, S, N] fp32``) is the scratch row buffer; ``config`` overrides
-    keys of ``indexer_config``; ``wrap=True`` launches through ``torch.library.wrap_triton``
-    (inside a ``triton_op``).
-    """
+
+def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                     topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
+                     config: dict | None = None) -> IndexerLaunches:
+    """The output and the launches that fill it, for the arguments of :func:`indexer_topk`
+    (an empty pool fills ``out`` with -1 here, and launches nothing)."""
     B, S = visible.shape
     N = keys.shape[1]
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     if B * S * topk == 0:
-        return out
+        return IndexerLaunches(out, None, None, None)
     if N == 0:
         out.fill_(-1)
-        return out
+        return IndexerLaunches(out, None, None, None)
     cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
            **(config or {})}
-    scores = indexer_scores(q, weights, keys, visible, out=scores, config=cfg, wrap=wrap)
-    return topk_from_scores(scores, visible, topk, out, cfg, wrap=wrap)
+    scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
+    return IndexerLaunches(out, scoring, *topk_launches(scores, visible, topk, out, cfg))
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                   out: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
+    """Raw launcher: ``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``.
+    ``config`` overrides keys of ``indexer_config`` (tuning sweeps, tests)."""
+    out, spec = scores_launch(q, weights, keys, visible, out, config=config)
+    launch(indexer_scores_kernel, spec)
+    return out
+
+
+def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
+                     cfg: dict) -> torch.Tensor:
+    """Raw launcher of the top-k pass alone, over precomputed ``[B, S, N]`` scores (``cfg``:
+    ``indexer_config``)."""
+    row, loop = topk_launches(scores, visible, topk, out, cfg)
+    launch(topk_row_kernel, row)
+    launch(topk_kernel, loop)
+    return out
+
+
+def indexer_topk(*args, **kwargs) -> torch.Tensor:
+    """Raw launcher with the reference signature plus ``out=``, ``scores=`` (the ``[B, S, N]
+    fp32`` scratch row buffer) and ``config=`` (overrides of ``indexer_config``): those of
+    :func:`indexer_launches`. Returns ``[B, S, topk] int32``, -1 sentinels; ``visible`` is
+    clamped to ``[0, N]`` (the raw-op contract, shared with the reference)."""
+    launches = indexer_launches(*args, **kwargs)
+    launch(indexer_scores_kernel, launches.scores)
+    launch(topk_row_kernel, launches.topk_row)
+    launch(topk_kernel, launches.topk_loop)
+    return launches.out

@@ -8,12 +8,13 @@ then for its slots writes ``positions``, ``win_write``, the ``[BLOCK_S, W]`` til
 is written by the program that owns query slot ``j = e``, so all nine outputs come from the
 same launch. Per-slot math in int64 (positions near 2^31 do not overflow); the
 ``[BLOCK_S, BLOCK_W]`` window tile is int32, relative to ``start`` (``start % R`` folded in
-once), which keeps it at ~150 registers on sm_90 instead of 254. Outputs int32.
+once): half the registers of an int64 tile. Outputs int32.
 
-Every quantity the reference takes ``%`` or ``//`` of is non-negative wherever the result is
-kept (negative window positions are masked to -1), and the one modulo of a possibly negative
-tile value is written ``((x % R) + R) % R``, so C-style integer division on the GPU and
-numpy's floor division in the interpreter both give the reference's results.
+Negative ``lengths`` / ``n_new`` count as 0 (the raw-op contract, shared with the
+reference), so every quantity the reference takes ``%`` or ``//`` of is non-negative wherever
+the result is kept (negative window positions are masked to -1), and the one modulo of a
+possibly negative tile value is written ``((x % R) + R) % R``: C-style integer division on
+the GPU and numpy's floor division in the interpreter both give the reference's results.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from ._launch import Launch, launch, next_pow2
 
-__all__ = ["plan", "plan_kernel", "plan_config"]
+__all__ = ["plan", "plan_kernel", "plan_config", "plan_launch"]
 
 
 @triton.jit
@@ -47,8 +48,8 @@ def plan_kernel(
     pid_s = tl.program_id(1)  # block of query slots
     step = (pid_r // B).to(tl.int64)
     b = (pid_r % B).to(tl.int64)
-    length = tl.load(lengths_ptr + b * sl_b).to(tl.int64)
-    n_new = tl.load(n_new_ptr + b * sn_b).to(tl.int64)
+    length = tl.maximum(tl.load(lengths_ptr + b * sl_b).to(tl.int64), 0)
+    n_new = tl.maximum(tl.load(n_new_ptr + b * sn_b).to(tl.int64), 0)
     start = length + step * n_new
     end = start + n_new
 
@@ -94,7 +95,7 @@ def plan_config(num_tokens: int, window: int) -> dict:
     return dict(BLOCK_S=block_s, BLOCK_W=block_w, num_warps=4)
 
 
-def plan(
+def plan_launch(
     lengths: torch.Tensor,
     n_new: torch.Tensor,
     num_tokens: int,
@@ -107,14 +108,10 @@ def plan(
     hca_ratio: int,
     hca_ring: int,
     out: tuple[torch.Tensor, ...] | None = None,
-    *,
-    wrap: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """Raw launcher with the reference signature: the nine ``int32`` plan tensors.
-
-    ``out`` (optional) is the tuple of nine contiguous ``int32`` outputs, in ``Plan`` order;
-    ``wrap=True`` launches through ``torch.library.wrap_triton`` (inside a ``triton_op``).
-    """
+) -> tuple[tuple[torch.Tensor, ...], Launch | None]:
+    """The nine ``int32`` plan tensors and the ``plan_kernel`` launch that fills them (``None``:
+    they are empty). ``out`` (optional) is the tuple of nine contiguous ``int32`` outputs, in
+    ``Plan`` order."""
     B, S, W = lengths.shape[0], num_tokens, window
     e_csa, e_hca = -(-S // csa_ratio), -(-S // hca_ratio)
     shapes = [(steps, B, S), (steps, B, S), (steps, B, S, W),
@@ -131,14 +128,19 @@ def plan(
                 raise ValueError(f"plan: out[{i}] must be a contiguous int32 tensor of shape {s}, "
                                  f"got {t.dtype} {tuple(t.shape)}")
     if steps * B * S == 0:
-        return out
+        return out, None
     cfg = plan_config(S, W)
-    launch(
-        plan_kernel, (steps * B, -(-S // cfg["BLOCK_S"])),
-        lengths, n_new, *out,
-        B, S, W, win_ring, csa_ratio, csa_ring, hca_ratio, hca_ring, e_csa, e_hca,
-        lengths.stride(0), n_new.stride(0),
-        WIN_CONCAT=bool(win_concat), BLOCK_S=cfg["BLOCK_S"], BLOCK_W=cfg["BLOCK_W"],
-        num_warps=cfg["num_warps"], wrap=wrap,
-    )
+    args = (lengths, n_new, *out,
+            B, S, W, win_ring, csa_ratio, csa_ring, hca_ratio, hca_ring, e_csa, e_hca,
+            lengths.stride(0), n_new.stride(0))
+    return out, Launch((steps * B, -(-S // cfg["BLOCK_S"])), args,
+                       dict(WIN_CONCAT=bool(win_concat), BLOCK_S=cfg["BLOCK_S"], BLOCK_W=cfg["BLOCK_W"],
+                            num_warps=cfg["num_warps"]))
+
+
+def plan(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    """Raw launcher with the reference signature (that of :func:`plan_launch`): the nine
+    ``int32`` plan tensors."""
+    out, spec = plan_launch(*args, **kwargs)
+    launch(plan_kernel, spec)
     return out

@@ -3,10 +3,9 @@ a block of tokens in one launch, each token's ``N x N`` matrix held in registers
 Contract: ``dsv4_ops.reference.sinkhorn``.
 
 Why a kernel: Inductor lowers the eager loop (alternating row / column sums of a ``[T, N, N]``
-tensor) to one kernel per normalisation, since each sum reads entries other threads produce.
-Measured on the H200 (bench config, CUDA-graphed decode at batch 1): 156 kernels, 142 us of a
-937 us step, for 4 mHC sites. Here one program owns ``BLOCK_T`` whole matrices, so the loop
-never leaves registers: one launch per site (the same step then took 768 us).
+tensor) to one kernel per normalisation, since each sum reads entries other threads produce;
+here one program owns ``BLOCK_T`` whole matrices, so the loop never leaves registers and each
+mHC site is one launch (measured effect: BENCHMARKS.md, "Kernel design notes").
 """
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, next_pow2
+from ._launch import Launch, launch, next_pow2
 
-__all__ = ["sinkhorn", "sinkhorn_kernel"]
+__all__ = ["sinkhorn", "sinkhorn_kernel", "sinkhorn_launch"]
 
 
 @triton.jit
@@ -36,18 +35,25 @@ def sinkhorn_kernel(comb_ptr, out_ptr, T, N, iters, eps,
     tl.store(out_ptr + offs, c, mask=ok)
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float, out: torch.Tensor | None = None, *,
-             wrap: bool = False) -> torch.Tensor:
-    """Raw launcher with the reference signature: ``comb [..., N, N]`` -> fp32, same shape."""
+def sinkhorn_launch(comb: torch.Tensor, iters: int, eps: float,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, Launch | None]:
+    """``out`` (fp32, the shape of ``comb``) and the ``sinkhorn_kernel`` launch that fills it
+    (``None``: no matrices)."""
     N = comb.shape[-1]
     flat = comb.float().contiguous()
     if out is None:
         out = torch.empty(comb.shape, dtype=torch.float32, device=comb.device)
     T = flat.numel() // max(N * N, 1)
     if T == 0:
-        return out
+        return out, None
     block_n = next_pow2(N)
     block_t = max(1, min(64, 1024 // (block_n * block_n)))  # ~1K elements per program
-    launch(sinkhorn_kernel, (triton.cdiv(T, block_t),), flat, out, T, N, iters, float(eps),
-           BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4, wrap=wrap)
+    return out, Launch((triton.cdiv(T, block_t),), (flat, out, T, N, iters, float(eps)),
+                       dict(BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4))
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw launcher with the reference signature: ``comb [..., N, N]`` -> fp32, same shape."""
+    out, spec = sinkhorn_launch(comb, iters, eps, out)
+    launch(sinkhorn_kernel, spec)
     return out

@@ -21,32 +21,23 @@ Design (H200 decode first):
   ``BLOCK_N``); each writes its partial ``(m, l, acc)`` to an fp32 workspace and
   ``combine_kernel`` merges them (sink added once there). Same single-softmax result.
 
-Measured on the H200 (bf16, H=64, D=512, CUDA-graph timing, floor = max(bytes / 4.3 TB/s,
-flops / 790 TFLOP/s)): CSA 32K context (W=128 + K=512 entries) B=64 47.7 us = 25% of the
-floor, B=128 76 us = 31%; HCA 128K (128 + 1024 entries) B=64 69 us = 28%, B=128 119 us =
-33%; B=1 CSA 19 us (the torch reference: 6.2 ms at CSA B=64, 165 us at B=1). Short of the
-60% target. Nsight Compute (``benchmarks/gpu_check.sh ncu``, CSA B=64) puts 74% of the
-samples in the loop, 15% in the prologue (q, the first index and row loads) and 11% in the
-epilogue (the fp32 partials); in the loop about 30% of all samples issue or wait on the
-q @ e^T wgmma: Triton gives a dot whose result feeds another dot the layout that puts all
-8 warps on M, so with 64 heads both warpgroups compute the same [64, 32] scores, as
-m64n16k16 steps that each re-read their 2 KB slice of q from shared memory (320 KB of
-shared-memory reads a block, ~2500 cycles at 128 B/cycle). Each 32-row block costs ~2.9 us. What would remove it: the
-two warpgroups scoring different halves of the block, or q as a register operand, which
-needs control over warp layout (warp specialisation, FlashMLA-style) that Triton 3.6's
-``tl`` does not give for pointer gathers. (Tried: computing q @ e^T one block ahead, so the
-chained-dot layout rule does not apply -- the dot then splits over both warpgroups, but
-ptxas serialises its wgmma steps and the rows are gathered twice: 58 vs 47 us.)
+The decode kernel is short of its roofline because Triton 3.6 gives a dot that feeds another
+dot a layout with all warps on M, so both warpgroups compute the same scores; what would fix
+it (warp specialisation) is not expressible in ``tl`` for pointer gathers. Measurements,
+profile and the alternatives tried: BENCHMARKS.md, "Kernel design notes".
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import backend, launch, next_pow2, sm_count
+from ._launch import Launch, backend, launch, next_pow2, sm_count
 
-__all__ = ["sparse_attention", "attention_config", "sparse_attention_kernel", "combine_kernel"]
+__all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
+           "sparse_attention_kernel", "combine_kernel", "AttentionLaunches"]
 
 _LOG2E = 1.4426950408889634
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
@@ -229,51 +220,67 @@ def combine_kernel(
 # --------------------------------------------------------------------------------------
 _MIN_ENTRIES_PER_SPLIT = 64  # 2 blocks of 32
 _MAX_SPLITS = 16
+# shared memory one program may use: sm_90 (H100/H200) opt-in maximum; gfx942 LDS (gfx950 has more)
+SMEM_LIMIT = {"cuda": 232448, "hip": 65536}
+
+
+def attention_smem_bytes(cfg: dict, elem_bytes: int) -> int:
+    """Upper estimate of ``sparse_attention_kernel``'s shared memory: the q tile plus
+    ``num_stages`` blocks of entry rows (exact for the bf16 wgmma configs on sm_90)."""
+    return elem_bytes * cfg["BLOCK_D"] * (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_N"])
 
 
 def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int = 132,
-                     num_splits: int | None = None, backend: str = "cuda") -> dict:
+                     num_splits: int | None = None, backend: str = "cuda",
+                     dtype: torch.dtype = torch.bfloat16) -> dict:
     """Block sizes, warps, stages and split count: a pure function of static sizes.
 
     ``max_entries`` is the static length of a query's entry list the split rule plans for
     (the launcher uses ``W + K`` for CSA (``K > 0``) and ``W + Nc`` otherwise).
-    ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma).
+    ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows.
 
-    D = 512 (V4): sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages (3 row blocks in
-    flight): wgmma, 255 regs, no spills, ~197 KB shared, so ONE program per SM; 3 and 4
-    stages are the fastest configs swept on the H200 (BLOCK_N 16/32/64 x stages 2-6 x warps
-    8/16 x splits 1-16; ``benchmarks/results/h200_sweep_attention_*``), 4 compiles without a
-    stack frame. gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``,
-    4 warps, 1 stage: no VGPR/SGPR spills in the cross-compile (``BLOCK_H=64`` spills);
-    not timed on AMD hardware.
+    D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages: wgmma,
+    no spills, ~197 KB shared, so one program per SM (the fastest of the H200 sweep);
+    gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the largest tile that
+    compiles without VGPR/SGPR spills. 4-byte dtypes (fp32) take half the heads per program,
+    since their IEEE dots run on FMA units with the operands in registers, and as many stages
+    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2).
 
     Split-KV: since one program fills an SM, the programs should make one full wave:
-    the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms`` (measured on the
-    H200: B=64 -> 2 splits beats 1 and 3; B=128 -> 1), with at most ``_MAX_SPLITS`` splits
-    of at least ``_MIN_ENTRIES_PER_SPLIT`` entries.
+    the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms``, with at most
+    ``_MAX_SPLITS`` splits of at least ``_MIN_ENTRIES_PER_SPLIT`` entries.
     """
     block_d = next_pow2(D)
     hip = backend == "hip"
+    elem_bytes = dtype.itemsize
     if block_d >= 256:
-        block_h = min(max(16, next_pow2(H)), 32 if hip else 64)
+        block_h = min(max(16, next_pow2(H)), (32 if hip else 64) // (2 if elem_bytes >= 4 else 1))
         block_n = 16 if hip else 32
-        num_warps = 8 if (not hip and block_h * block_d >= 64 * 256) else 4
+        num_warps = 8 if (not hip and block_h * block_d >= 32 * 512) else 4
         num_stages = 1 if hip else 4
     else:
         block_h = min(max(16, next_pow2(H)), 64)
         block_n = 32 if hip else 64
         num_warps = 4
         num_stages = 1 if hip else 2
+    cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+    while cfg["num_stages"] > 1 and attention_smem_bytes(cfg, elem_bytes) > SMEM_LIMIT[backend]:
+        cfg["num_stages"] -= 1
     head_blocks = -(-H // block_h)
     programs = B * S * head_blocks
     if num_splits is None:
         one_wave = sms // max(programs, 1)
         num_splits = min(one_wave, max_entries // _MIN_ENTRIES_PER_SPLIT, _MAX_SPLITS)
-    return dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
-                num_stages=num_stages, NUM_SPLITS=max(1, int(num_splits)))
+    return dict(cfg, NUM_SPLITS=max(1, int(num_splits)))
 
 
-def sparse_attention(
+class AttentionLaunches(NamedTuple):
+    out: torch.Tensor  # [B, S, H, D] in q.dtype
+    attention: Launch | None  # sparse_attention_kernel (None: empty output)
+    combine: Launch | None  # combine_kernel (None: no split-KV)
+
+
+def attention_launches(
     q: torch.Tensor,
     kv: torch.Tensor,
     kv_idx: torch.Tensor,
@@ -287,15 +294,8 @@ def sparse_attention(
     num_splits: int | None = None,
     config: dict | None = None,
     max_entries: int | None = None,
-    wrap: bool = False,
-) -> torch.Tensor:
-    """Raw launcher with the reference signature; returns ``out`` ``[B, S, H, D]`` in ``q.dtype``.
-
-    ``kv`` and ``cmp`` must share a dtype (rows are cast to ``q.dtype`` for the dots; fp32
-    inputs use IEEE fp32 dots). ``num_splits`` / ``config`` override the static heuristic
-    (tests); ``wrap=True`` launches through ``torch.library.wrap_triton`` (inside a
-    ``triton_op``). Indices outside ``[0, rows)`` are skipped like ``-1``.
-    """
+) -> AttentionLaunches:
+    """The output and the launches that fill it, for the arguments of :func:`sparse_attention`."""
     B, S, H, D = q.shape
     W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
     N_KV, N_CMP = kv.shape[1], cmp.shape[1]
@@ -305,11 +305,12 @@ def sparse_attention(
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     if B * S * H * D == 0:
-        return out
+        return AttentionLaunches(out, None, None)
     if max_entries is None:
         max_entries = W + (K if K > 0 else N_CMP)
+    wide = q.dtype if q.element_size() >= kv.element_size() else kv.dtype
     cfg = dict(config) if config is not None else attention_config(
-        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend())
+        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide)
     if num_splits is not None:
         cfg["NUM_SPLITS"] = num_splits
     splits = cfg["NUM_SPLITS"]
@@ -328,25 +329,38 @@ def sparse_attention(
         part_acc = torch.empty((B * S, splits, H, D), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    grid = (B * S, -(-H // cfg["BLOCK_H"]), splits)
-    launch(
-        sparse_attention_kernel, grid,
-        q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
-        float(scale) * _LOG2E,
-        S, H, N_KV, N_CMP, W, K,
-        *q.stride(), *kv.stride(), *kv_idx.stride(), *cmp.stride(), *cmp_idx.stride(),
-        *cmp_len.stride(), *out.stride(),
-        D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=splits, UPCAST_DOT=INTERPRET,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], wrap=wrap,
+    attention = Launch(
+        (B * S, -(-H // cfg["BLOCK_H"]), splits),
+        (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
+         float(scale) * _LOG2E,
+         S, H, N_KV, N_CMP, W, K,
+         *q.stride(), *kv.stride(), *kv_idx.stride(), *cmp.stride(), *cmp_idx.stride(),
+         *cmp_len.stride(), *out.stride()),
+        dict(D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+             NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
     )
+    combine = None
     if splits > 1:
         block_h_c = min(16, max(1, next_pow2(H)))
         block_d_c = min(128, cfg["BLOCK_D"])
-        launch(
-            combine_kernel, (B * S, -(-H // block_h_c), -(-D // block_d_c)),
-            part_m, part_l, part_acc, sink, out, S, H, *out.stride(),
-            D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits,
-            num_warps=4, wrap=wrap,
+        combine = Launch(
+            (B * S, -(-H // block_h_c), -(-D // block_d_c)),
+            (part_m, part_l, part_acc, sink, out, S, H, *out.stride()),
+            dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4),
         )
-    return out
+    return AttentionLaunches(out, attention, combine)
+
+
+def sparse_attention(*args, **kwargs) -> torch.Tensor:
+    """Raw launcher with the reference signature plus ``out=``, ``num_splits=``, ``config=``
+    and ``max_entries=`` (those of :func:`attention_launches`; the overrides are for tests and
+    sweeps); returns ``out`` ``[B, S, H, D]`` in ``q.dtype``.
+
+    ``kv`` and ``cmp`` must share a dtype (rows are cast to ``q.dtype`` for the dots; fp32
+    inputs use IEEE fp32 dots). Indices outside ``[0, rows)`` are skipped like ``-1`` and
+    ``cmp_len`` is clamped to ``[0, Nc]`` (the raw-op contract, shared with the reference).
+    """
+    launches = attention_launches(*args, **kwargs)
+    launch(sparse_attention_kernel, launches.attention)
+    launch(combine_kernel, launches.combine)
+    return launches.out

@@ -104,3 +104,13 @@ def test_cache_write_rejects_bad_input():
         r"cache_write: slots\[0, 1\] = 17 is beyond cache rows N=8")
     bad(2, lambda a: torch.tensor([[0, 1, -1], [1, -5, 3]], dtype=I32), r"slots\[1, 1\] = -5 is below the minimum -1")
     bad(2, lambda a: torch.tensor([[0, 1, -1], [2, 5, 2]], dtype=I32), r"slots\[1\] holds index 2 twice")
+
+
+def test_cache_write_raw_op_skips_out_of_range_slots(device):
+    """The raw op (no wrapper checks) skips slots outside [0, N) like -1, on every backend."""
+    cache, values, _ = make_inputs(N=8, S=4, device=device)
+    bad = torch.tensor([[8, 1, 2**31 - 1, -6], [-1, 99, 0, 9]], dtype=I32, device=device)
+    got, want = cache.clone(), cache.clone()
+    torch.ops.dsv4.cache_write(got, values, bad)
+    torch.ops.dsv4.cache_write(want, values, torch.where((bad >= 0) & (bad < 8), bad, -1))
+    assert torch.equal(got, want)

@@ -206,3 +206,28 @@ def test_compress_rejects_bad_input():
     bad(r"emit\[0, 0\] = block 3 is rotated at position 12, beyond the rope table rows P=12",
         lambda a: (a.__setitem__(7, torch.rand(12, 4)), a.__setitem__(8, torch.rand(12, 4))),
         lengths=(15, 6), N=5)
+
+
+def test_compress_raw_op_skips_out_of_range_blocks(device):
+    """The raw op (no wrapper checks), on every backend: emitted blocks outside [0, N) are
+    skipped like -1, and an entry whose rope row is past the table is left unrotated (as by
+    an identity row there)."""
+    args = make_inputs(lengths=(3, 7), device=device)  # emits block 0 (row 0) and block 1 (row 1)
+    N = args[9].shape[1]
+    extra = torch.tensor([[N, -5], [2**31 - 1, 99]], dtype=I32, device=device)
+    runs = []
+    for emit in (torch.cat([args[5], extra], 1), torch.cat([args[5], torch.full_like(extra, -1)], 1)):
+        pool = args[9].clone()
+        torch.ops.dsv4.compress(*args[:5], emit, *args[6:9], pool, *args[10:])
+        runs.append(pool)
+    assert torch.equal(runs[0], runs[1])
+    half = args[7].shape[-1]
+    cut = (args[7][:4], args[8][:4])  # block 1 rotates at position 4: past a 4-row table
+    identity = (torch.cat([cut[0], torch.ones(1, half, device=device)]),
+                torch.cat([cut[1], torch.zeros(1, half, device=device)]))
+    runs = []
+    for cos, sin in (cut, identity):
+        pool = args[9].clone()
+        torch.ops.dsv4.compress(*args[:7], cos, sin, pool, *args[10:])
+        runs.append(pool)
+    assert torch.equal(runs[0], runs[1])

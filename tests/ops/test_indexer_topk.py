@@ -148,3 +148,11 @@ def test_indexer_topk_rejects_bad_input():
     bad(2, lambda a: a[2].to("meta"), r"all tensors must be on one device: q is on cpu, keys is on meta")
     bad(3, lambda a: a[3].fill_(11), r"visible\[0, 0\] = 11 is beyond keys entries N=10")
     bad(3, lambda a: a[3].fill_(-1), r"visible\[0, 0\] = -1 is below the minimum 0")
+
+
+def test_indexer_topk_raw_op_clamps_visible(device):
+    """The raw op (no wrapper checks) reads visible as clamped to [0, N], on every backend."""
+    q, w, keys, _, topk = make_inputs(B=2, S=2, N=10, topk=4, device=device)
+    visible = torch.tensor([[-3, 11], [2**31 - 1, 4]], dtype=I32, device=device)
+    got = torch.ops.dsv4.indexer_topk(q, w, keys, visible, topk)
+    assert torch.equal(got, torch.ops.dsv4.indexer_topk(q, w, keys, visible.clamp(0, 10), topk))

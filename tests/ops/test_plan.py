@@ -184,3 +184,13 @@ def test_plan_rejects_bad_input():
     bad(r"lengths\[1\] = -3 is below the minimum 0", lengths=torch.tensor([0, -3], dtype=I32))
     bad(r"lengths \+ steps \* n_new\[0\] = 2147483648 is beyond the int32 position range",
         lengths=torch.tensor([2**31 - 1, 0], dtype=I32))
+
+
+def test_plan_raw_op_counts_negative_lengths_as_zero(device):
+    """The raw op (no wrapper checks) counts negative lengths / n_new as 0, on every backend."""
+    c = cfg(num_tokens=3, steps=2)
+    i32 = dict(dtype=I32, device=device)
+    got = torch.ops.dsv4.plan(torch.tensor([-9, 6], **i32), torch.tensor([2, -4], **i32), *c.values())
+    want = torch.ops.dsv4.plan(torch.tensor([0, 6], **i32), torch.tensor([2, 0], **i32), *c.values())
+    for name, g, w in zip(FIELDS, got, want):
+        assert torch.equal(g, w), name

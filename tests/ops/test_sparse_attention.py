@@ -140,3 +140,27 @@ def test_sparse_attention_rejects_bad_input():
     bad(2, lambda a: a[2].index_fill(2, torch.tensor([0]), -2), r"kv_idx\[0, 0, 0\] = -2 is below the minimum -1")
     bad(4, lambda a: a[4].index_fill(2, torch.tensor([2]), 6), r"cmp_idx\[0, 0, 2\] = 6 is beyond cmp entries N=6")
     bad(5, lambda a: a[5].fill_(7), r"cmp_len\[0, 0\] = 7 is beyond cmp entries Nc=6")
+
+
+def test_sparse_attention_raw_op_skips_out_of_range_indices(device):
+    """The raw op (no wrapper checks) reads indices outside the rows like -1 and clamps
+    cmp_len to [0, Nc], on every backend: the same result as with those values replaced."""
+    args = make_inputs(device=device)
+    clean = list(args)
+    args[2], args[4], args[5] = args[2].clone(), args[4].clone(), args[5].clone()
+    clean[2], clean[4], clean[5] = args[2].clone(), args[4].clone(), args[5].clone()
+    args[2][0, 0, :3] = torch.tensor([10, 2**31 - 1, -7])  # N = 10
+    clean[2][0, 0, :3] = -1
+    args[4][1, 2, :2] = torch.tensor([6, -3])  # Nc = 6
+    clean[4][1, 2, :2] = -1
+    args[5][0, 1], args[5][1, 0] = 99, -5
+    clean[5][0, 1], clean[5][1, 0] = 6, 0
+    got = torch.ops.dsv4.sparse_attention(*args)
+    torch.testing.assert_close(got, torch.ops.dsv4.sparse_attention(*clean), rtol=0, atol=0)
+    # an empty window source: every index is out of range
+    args = make_inputs(N=0, device=device)
+    args[2] = torch.zeros_like(args[2])
+    clean = list(args)
+    clean[2] = torch.full_like(args[2], -1)
+    torch.testing.assert_close(torch.ops.dsv4.sparse_attention(*args), torch.ops.dsv4.sparse_attention(*clean),
+                               rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""``python -m dsv4_ops bench``: time every case of the grid, Triton op vs reference.
+"""``python3 benchmarks/bench_ops.py``: time every case of the grid, Triton op vs reference.
 
 Per case: plan memory (skip what would not fit the budget, with the reason), build the
 inputs (a few copies for L2-cold timing of small cases), check the op -- through its public,
@@ -22,7 +22,7 @@ import torch
 from . import cases as C
 from . import report
 from . import roofline as rl
-from .timing import l2_bytes, rotation_copies, time_calls
+from ..timing import kernel_time, l2_bytes, rotation_copies
 
 FULL_GRID = dict(batches=[1, 16, 64, 128], contexts=[8192, 32768, 131072])
 QUICK_GRID = dict(batches=[1, 64], contexts=[32768])
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="V4-Flash (H=64, top-k 512) and/or V4-Pro (H=128, top-k 1024)")
     p.add_argument("--kernels", nargs="+", choices=C.KERNELS, default=list(C.KERNELS))
     p.add_argument("--mem-gb", type=float, default=60.0, help="memory budget per case (default: %(default)s)")
-    p.add_argument("--target-ms", type=float, default=100.0, help="device time of samples per measurement")
+    p.add_argument("--target-ms", type=float, default=100.0,
+                   help="device time of the samples of one measurement (CUDA: 10 replays of a tenth each)")
     p.add_argument("--no-ref", action="store_true", help="do not time the reference")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--device", default=None, help="default: cuda (required unless --tiny)")
@@ -162,14 +163,13 @@ def measure(case: C.Case, device: torch.device, budget: float, target_ms: float,
                 row["ref_reason"] = f"out of memory: {str(e).splitlines()[0]}"
             _free(device)
         op = getattr(torch.ops.dsv4, case.kernel)
-        t = time_calls([functools.partial(op, *a) for a in inputs], device, target_ms)
-        row.update(time_us=t.us, method=t.method, calls=t.calls, samples=t.samples,
-                   fraction=row["floor_us"] / t.us)
+        t = kernel_time([functools.partial(op, *a) for a in inputs], device, target_ms)
+        row.update(time_us=t.us, method=t.method, samples=t.samples, fraction=row["floor_us"] / t.us)
         _free(device)
         if row["ref_reason"] is None:
             ref = getattr(reference, case.kernel)
             try:
-                r = time_calls([functools.partial(ref, *a) for a in inputs], device, target_ms)
+                r = kernel_time([functools.partial(ref, *a) for a in inputs], device, target_ms)
                 row.update(ref_us=r.us, ref_method=r.method, speedup=r.us / t.us,
                            ref_fraction=row["floor_us"] / r.us)
             except torch.cuda.OutOfMemoryError as e:
@@ -223,11 +223,11 @@ def run(args: argparse.Namespace, strict: bool = False, log=print) -> int:
     if args.from_json:
         return render(Path(args.from_json), Path(args.out), plot=not args.no_plot, log=log)
     if args.device is None and not torch.cuda.is_available() and not args.tiny:
-        log("bench: no CUDA device. Run it on the GPU box, or smoke-test on CPU with --tiny --device cpu.")
+        log("bench_ops: no CUDA device. Run it on the GPU box, or smoke-test on CPU with --tiny --device cpu.")
         return 2
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and lowering.BACKEND != "triton":
-        log(f"bench: the dsv4 backend is {lowering.BACKEND!r} (DSV4_OPS_BACKEND): torch.ops.dsv4 would not run "
+        log(f"bench_ops: the dsv4 backend is {lowering.BACKEND!r} (DSV4_OPS_BACKEND): torch.ops.dsv4 would not run "
             "the Triton kernels. Unset DSV4_OPS_BACKEND or set it to 'triton'.")
         return 2
     grid = TINY_GRID if args.tiny else QUICK_GRID if args.quick else FULL_GRID
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, strict: bool = False, log=print) -> int:
     out = Path(args.out)
     meta = _meta(args, device)
     meta.update(batches=batches, contexts=contexts, shapes=args.shapes, kernels=list(args.kernels))
-    log(f"dsv4_ops bench on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}): {len(cases)} cases, "
+    log(f"bench_ops on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}): {len(cases)} cases, "
         f"budget {args.mem_gb:g} GB -> {out}/bench_ops.*")
     rows: list[dict] = []
     t0 = time.perf_counter()

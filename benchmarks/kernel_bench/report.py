@@ -8,7 +8,8 @@ from pathlib import Path
 from . import roofline as rl
 
 COLUMNS = ("kernel", "shape", "batch", "ctx", "time µs", "reference µs", "speedup", "floor µs", "fraction")
-TIMING_CUDA = "median of CUDA-event samples of CUDA-graph replays, L2-cold (rotated input copies)"
+TIMING_CUDA = ("triton.testing.do_bench_cudagraph: median of CUDA-graph replays, each a pass over rotated input "
+               "copies (L2-cold)")
 TIMING_CPU = "CPU wall clock (smoke run: on CPU the op runs the reference too; floors are H200 numbers)"
 LINESTYLES = {"flash": "-", "pro": "--"}  # anything else (ops shared by both shapes): dotted
 
@@ -51,8 +52,9 @@ def notes(rows: list[dict]) -> list[str]:
         check = r.get("check") or {}
         if check and not check.get("ok", True):
             out.append(f"{case}: op and reference DISAGREE ({check})")
-        if r.get("method") == "cuda_events":
-            out.append(f"{case}: CUDA-graph capture failed, timed eager calls (may include dispatch overhead)")
+        if r.get("method") in ("do_bench", "cuda_events"):  # cuda_events: the same fallback in older runs
+            out.append(f"{case}: CUDA-graph capture failed, timed eager calls with triton.testing.do_bench "
+                       "(L2 flushed per call; may include launch overhead)")
         if r.get("l2_cold") is False:
             warm.setdefault(r["label"], set()).add(r["batch"])
     if warm:  # one line: these are the tiny, latency-bound ops

@@ -1,0 +1,543 @@
+// dsv4_run: prefill + greedy decode of a DeepSeek-V4 AOTInductor package (.pt2).
+//
+// The package holds two AOTI models, "prefill" and "decode", whose metadata
+// carries the dsv4.* keys (see csrc/runner/README.md for the interface).
+// Only API present in both torch 2.11 and 2.13 is used:
+//   AOTIModelPackageLoader(path, model_name, run_single_threaded, num_runners, device_index)
+//   loader.run(inputs, stream_handle), loader.get_metadata()
+#include <ATen/Tensor.h>
+#include <ATen/ops/argmax.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#ifdef DSV4_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <sys/stat.h>
+
+namespace {
+
+constexpr int kExitRuntime = 1;
+constexpr int kExitUsage = 2;
+
+// Error carrying the exit code: kExitUsage for a wrong command line (including
+// arguments beyond the package's limits), kExitRuntime for package/runtime trouble.
+struct RunError : std::runtime_error {
+  int code;
+  RunError(int c, const std::string& msg) : std::runtime_error(msg), code(c) {}
+};
+[[noreturn]] void usage_error(const std::string& m) { throw RunError(kExitUsage, m); }
+[[noreturn]] void runtime_error(const std::string& m) { throw RunError(kExitRuntime, m); }
+
+const char* kHelp =
+    "usage: dsv4_run MODEL.pt2 --prompt IDS [--prompt IDS ...] [--max-new-tokens N]\n"
+    "                [--quiet] [--no-cuda-graph]\n"
+    "\n"
+    "Loads the \"prefill\" and \"decode\" AOTInductor models of a dsv4 package, prefills\n"
+    "every prompt as one batch and decodes greedily.\n"
+    "\n"
+    "  MODEL.pt2            AOTInductor package written by the dsv4 exporter\n"
+    "  --prompt IDS         comma-separated token ids, e.g. 1,2,3 (repeat for a batch;\n"
+    "                       at most dsv4.max_batch_size prompts)\n"
+    "  --max-new-tokens N   new tokens per prompt, N >= 1 (default 32);\n"
+    "                       len(prompt) + N - 1 must be <= dsv4.max_seq_len\n"
+    "  --quiet              no timing/progress on stderr\n"
+    "  --no-cuda-graph      CUDA packages: run every decode step eagerly instead of\n"
+    "                       replaying a captured CUDA graph\n"
+    "  -h, --help           this text\n"
+    "\n"
+    "stdout: one line per prompt, in prompt order: the N new token ids, comma-separated.\n"
+    "stderr: load time, prefill ms, decode ms/step (unless --quiet), and errors.\n"
+    "exit:   0 ok; 2 bad command line (or arguments beyond the package's limits);\n"
+    "        1 the package cannot be loaded or run.\n"
+    "\n"
+    "Known issue (torch 2.11 GPU box): loading a .pt2 segfaults inside std::regex unless\n"
+    "the process starts with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6\n";
+
+struct Options {
+  std::string model;
+  std::vector<std::vector<int64_t>> prompts;
+  int64_t max_new_tokens = 32;
+  bool quiet = false;
+  bool cuda_graph = true;
+};
+
+int64_t parse_int(const std::string& s, const std::string& what) {
+  if (s.empty()) usage_error(what + ": empty value");
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (end != s.c_str() + s.size() || errno == ERANGE || std::isspace((unsigned char)s[0]))
+    usage_error(what + ": '" + s + "' is not an integer");
+  return v;
+}
+
+std::vector<int64_t> parse_ids(const std::string& s, size_t index) {
+  const std::string what = "--prompt #" + std::to_string(index + 1);
+  if (s.empty()) usage_error(what + ": empty prompt (need at least one token id)");
+  std::vector<int64_t> ids;
+  size_t start = 0;
+  while (true) {
+    size_t comma = s.find(',', start);
+    std::string tok = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (tok.empty()) usage_error(what + ": empty token id in '" + s + "'");
+    ids.push_back(parse_int(tok, what));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return ids;
+}
+
+// Returns false when --help was requested.
+bool parse_args(int argc, char** argv, Options& o) {
+  std::vector<std::string> prompt_args;
+  bool have_model = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    std::string val;
+    bool has_inline = false;
+    if (a.rfind("--", 0) == 0 && a.find('=') != std::string::npos) {
+      val = a.substr(a.find('=') + 1);
+      a = a.substr(0, a.find('='));
+      has_inline = true;
+    }
+    auto need_value = [&](const std::string& flag) -> std::string {
+      if (has_inline) return val;
+      if (i + 1 >= argc) usage_error(flag + ": missing value");
+      return argv[++i];
+    };
+    auto no_value = [&](const std::string& flag) {
+      if (has_inline) usage_error(flag + " takes no value");
+    };
+    if (a == "-h" || a == "--help") {
+      return false;
+    } else if (a == "--prompt") {
+      prompt_args.push_back(need_value(a));
+    } else if (a == "--max-new-tokens") {
+      o.max_new_tokens = parse_int(need_value(a), a);
+      if (o.max_new_tokens < 1)
+        usage_error("--max-new-tokens: must be >= 1, got " + std::to_string(o.max_new_tokens));
+    } else if (a == "--quiet") {
+      no_value(a);
+      o.quiet = true;
+    } else if (a == "--no-cuda-graph") {
+      no_value(a);
+      o.cuda_graph = false;
+    } else if (a.size() > 1 && a[0] == '-') {
+      usage_error("unknown option '" + a + "' (see --help)");
+    } else {
+      if (have_model) usage_error("more than one model path given: '" + o.model + "' and '" + a + "'");
+      o.model = a;
+      have_model = true;
+    }
+  }
+  if (!have_model) usage_error("missing MODEL.pt2 argument (see --help)");
+  if (prompt_args.empty()) usage_error("missing --prompt (need at least one)");
+  for (size_t i = 0; i < prompt_args.size(); ++i) o.prompts.push_back(parse_ids(prompt_args[i], i));
+  return true;
+}
+
+// ---- package metadata -------------------------------------------------------
+
+struct CacheSpec {
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
+struct PackageInfo {
+  int64_t max_batch = 0, max_seq_len = 0, chunk = 0, vocab = 0;
+  std::string device;
+  std::vector<CacheSpec> cache;
+};
+
+int64_t meta_int(const std::unordered_map<std::string, std::string>& m, const std::string& key,
+                 const std::string& model) {
+  auto it = m.find(key);
+  if (it == m.end()) runtime_error(model + ": metadata key " + key + " missing");
+  try {
+    size_t pos = 0;
+    long long v = std::stoll(it->second, &pos);
+    if (pos != it->second.size() || v <= 0) throw std::invalid_argument("");
+    return v;
+  } catch (const std::exception&) {
+    runtime_error(model + ": metadata " + key + "='" + it->second + "' is not a positive integer");
+  }
+}
+
+c10::ScalarType parse_dtype(const std::string& s, const std::string& spec) {
+  static const std::map<std::string, c10::ScalarType> kTypes = {
+      {"float32", c10::kFloat}, {"bfloat16", c10::kBFloat16}, {"float16", c10::kHalf},
+      {"int32", c10::kInt},     {"int64", c10::kLong}};
+  auto it = kTypes.find(s);
+  if (it == kTypes.end()) runtime_error("dsv4.cache: unknown dtype '" + s + "' in '" + spec + "'");
+  return it->second;
+}
+
+std::vector<CacheSpec> parse_cache(const std::string& s) {
+  std::vector<CacheSpec> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ';')) {
+    if (item.empty()) continue;
+    auto colon = item.find(':');
+    if (colon == std::string::npos) runtime_error("dsv4.cache: entry '" + item + "' is not dtype:d0xd1x...");
+    CacheSpec c;
+    c.dtype = parse_dtype(item.substr(0, colon), item);
+    std::stringstream dims(item.substr(colon + 1));
+    std::string d;
+    while (std::getline(dims, d, 'x')) {
+      try {
+        size_t pos = 0;
+        long long v = std::stoll(d, &pos);
+        if (pos != d.size() || v < 0) throw std::invalid_argument("");
+        c.shape.push_back(v);
+      } catch (const std::exception&) {
+        runtime_error("dsv4.cache: bad dimension '" + d + "' in '" + item + "'");
+      }
+    }
+    if (c.shape.empty()) runtime_error("dsv4.cache: entry '" + item + "' has no shape");
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+PackageInfo read_info(const std::unordered_map<std::string, std::string>& m, const std::string& path,
+                      const std::string& model) {
+  bool any = false;
+  for (auto& kv : m) any = any || kv.first.rfind("dsv4.", 0) == 0;
+  if (!any) runtime_error(path + ": model '" + model + "' has no dsv4.* metadata; not a dsv4 package");
+  auto fmt = m.find("dsv4.format");
+  if (fmt == m.end() || fmt->second != "1")
+    runtime_error(path + ": dsv4.format is '" + (fmt == m.end() ? std::string("<missing>") : fmt->second) +
+                  "', this runner reads format 1");
+  PackageInfo p;
+  p.max_batch = meta_int(m, "dsv4.max_batch_size", model);
+  p.max_seq_len = meta_int(m, "dsv4.max_seq_len", model);
+  p.chunk = meta_int(m, "dsv4.prefill_chunk", model);
+  p.vocab = meta_int(m, "dsv4.vocab_size", model);
+  auto dev = m.find("dsv4.device");
+  if (dev == m.end()) runtime_error(model + ": metadata key dsv4.device missing");
+  p.device = dev->second;
+  if (p.device != "cpu" && p.device != "cuda")
+    runtime_error(model + ": dsv4.device='" + p.device + "', expected cpu or cuda");
+  auto cache = m.find("dsv4.cache");
+  if (cache == m.end()) runtime_error(model + ": metadata key dsv4.cache missing");
+  p.cache = parse_cache(cache->second);
+  return p;
+}
+
+// ---- helpers ------------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+std::string fmt_ms(double ms) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.2f ms", ms);
+  return buf;
+}
+
+void check_file(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0)
+    runtime_error(path + ": cannot open model package (" + std::strerror(errno) + ")");
+  if (S_ISDIR(st.st_mode)) runtime_error(path + ": is a directory, expected a .pt2 file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f.good()) runtime_error(path + ": cannot open model package (" + std::strerror(errno) + ")");
+  char magic[4] = {0, 0, 0, 0};
+  f.read(magic, 4);
+  // A .pt2 is a zip archive ("PK\x03\x04"); reject anything else before the loader sees it.
+  if (f.gcount() != 4 || std::memcmp(magic, "PK\x03\x04", 4) != 0)
+    runtime_error(path + ": not a .pt2 package (not a zip archive)");
+}
+
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_model(const std::string& path,
+                                                                    const std::string& name,
+                                                                    bool single_threaded,
+                                                                    c10::DeviceIndex device_index) {
+  try {
+    return std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, name, single_threaded,
+                                                                     /*num_runners=*/1, device_index);
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    // c10::Error messages carry a C++ backtrace; keep the first line for the user.
+    auto nl = msg.find('\n');
+    if (nl != std::string::npos) msg = msg.substr(0, nl);
+    runtime_error(path + ": cannot load model '" + name + "' from the package: " + msg);
+  }
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  // torch.argmax semantics: ties go to the lowest index.
+  return at::argmax(logits, /*dim=*/-1, /*keepdim=*/false);
+}
+
+// ---- main flow ----------------------------------------------------------------
+
+int run_main(const Options& o) {
+  auto log = [&](const std::string& s) {
+    if (!o.quiet) std::cerr << "[dsv4_run] " << s << std::endl;
+  };
+  check_file(o.model);
+
+  auto t_load = Clock::now();
+  // Load prefill first (CPU device index is ignored), read its metadata, then decide
+  // how to load decode.
+  c10::DeviceIndex dev_index = -1;
+  auto prefill = load_model(o.model, "prefill", false, dev_index);
+  PackageInfo info = read_info(prefill->get_metadata(), o.model, "prefill");
+
+  bool on_cuda = info.device == "cuda";
+#ifndef DSV4_WITH_CUDA
+  if (on_cuda) runtime_error(o.model + ": dsv4.device=cuda but this dsv4_run was built against a CPU-only libtorch");
+#endif
+
+  // Validate the command line against the package's limits.
+  const int64_t P = (int64_t)o.prompts.size();
+  if (P > info.max_batch)
+    usage_error("--prompt: " + std::to_string(P) + " prompts given, the package's dsv4.max_batch_size is " +
+                std::to_string(info.max_batch));
+  for (int64_t b = 0; b < P; ++b) {
+    const auto& p = o.prompts[b];
+    const std::string what = "--prompt #" + std::to_string(b + 1);
+    if ((int64_t)p.size() > info.max_seq_len)
+      usage_error(what + ": " + std::to_string(p.size()) + " tokens, longer than dsv4.max_seq_len=" +
+                  std::to_string(info.max_seq_len));
+    if ((int64_t)p.size() + o.max_new_tokens - 1 > info.max_seq_len)
+      usage_error(what + ": " + std::to_string(p.size()) + " tokens + --max-new-tokens " +
+                  std::to_string(o.max_new_tokens) + " - 1 = " +
+                  std::to_string(p.size() + o.max_new_tokens - 1) + " exceeds dsv4.max_seq_len=" +
+                  std::to_string(info.max_seq_len));
+    for (int64_t id : p)
+      if (id < 0 || id >= info.vocab)
+        usage_error(what + ": token id " + std::to_string(id) + " outside [0, dsv4.vocab_size=" +
+                    std::to_string(info.vocab) + ")");
+  }
+
+  bool use_graph = false;
+#ifdef DSV4_WITH_CUDA
+  if (on_cuda) {
+    use_graph = o.cuda_graph;
+    dev_index = c10::cuda::current_device();
+  }
+#endif
+  // CUDA-graph capture requires the single-threaded container runner.
+  auto decode = load_model(o.model, "decode", use_graph, dev_index);
+  PackageInfo dinfo = read_info(decode->get_metadata(), o.model, "decode");
+  if (dinfo.max_batch != info.max_batch || dinfo.vocab != info.vocab || dinfo.device != info.device ||
+      dinfo.cache.size() != info.cache.size())
+    runtime_error(o.model + ": prefill and decode metadata disagree (batch/vocab/device/cache)");
+
+  const int64_t B = info.max_batch, C = info.chunk;
+  const c10::Device device = on_cuda ? c10::Device(c10::kCUDA, dev_index) : c10::Device(c10::kCPU);
+  auto sync = [&]() {
+#ifdef DSV4_WITH_CUDA
+    if (on_cuda) c10::cuda::getCurrentCUDAStream(dev_index).synchronize();
+#endif
+  };
+
+#ifdef DSV4_WITH_CUDA
+  // All work (prefill, eager decode, capture, replay) runs on one side stream:
+  // capture must not happen on the legacy default stream.
+  std::optional<c10::cuda::CUDAStreamGuard> stream_guard;
+  if (on_cuda) stream_guard.emplace(c10::cuda::getStreamFromPool(false, dev_index));
+  auto stream_handle = [&]() -> void* {
+    return on_cuda ? (void*)c10::cuda::getCurrentCUDAStream(dev_index).stream() : nullptr;
+  };
+#else
+  auto stream_handle = []() -> void* { return nullptr; };
+#endif
+
+  // KV pools: allocated once with zeros; lengths start at 0.
+  std::vector<at::Tensor> caches;
+  for (const auto& c : info.cache) caches.push_back(at::zeros(c.shape, at::TensorOptions().dtype(c.dtype).device(device)));
+  at::Tensor lengths = at::zeros({B}, at::TensorOptions().dtype(at::kInt).device(device));
+  sync();
+  log("loaded " + o.model + " in " + fmt_ms(ms_since(t_load)) + " (device=" + info.device +
+      ", B=" + std::to_string(B) + ", C=" + std::to_string(C) + ", max_seq_len=" +
+      std::to_string(info.max_seq_len) + ", vocab=" + std::to_string(info.vocab) + ")");
+
+  auto with_caches = [&](std::vector<at::Tensor> head) {
+    for (auto& c : caches) head.push_back(c);
+    return head;
+  };
+  auto run_checked = [&](torch::inductor::AOTIModelPackageLoader& m, const char* name,
+                         const std::vector<at::Tensor>& inputs) -> at::Tensor {
+    auto out = m.run(inputs, stream_handle());
+    if (out.empty()) runtime_error(std::string(name) + " returned no outputs");
+    const at::Tensor& lg = out[0];
+    if (lg.dim() != 2 || lg.size(0) != B || lg.size(1) != info.vocab)
+      runtime_error(std::string(name) + " returned logits of shape " + c10::str(lg.sizes()) + ", expected [" +
+                    std::to_string(B) + ", " + std::to_string(info.vocab) + "]");
+    return lg;
+  };
+
+  // ---- prefill, in chunks of C tokens ----
+  int64_t max_len = 0;
+  for (auto& p : o.prompts) max_len = std::max<int64_t>(max_len, (int64_t)p.size());
+  const int64_t n_chunks = (max_len + C - 1) / C;
+  std::vector<int64_t> first(P, 0);
+  auto t_prefill = Clock::now();
+  for (int64_t j = 0; j < n_chunks; ++j) {
+    at::Tensor ids = at::zeros({B, C}, at::kLong);
+    at::Tensor n_new = at::zeros({B}, at::kInt);
+    auto ids_a = ids.accessor<int64_t, 2>();
+    auto n_a = n_new.accessor<int32_t, 1>();
+    for (int64_t b = 0; b < P; ++b) {
+      const auto& p = o.prompts[b];
+      int64_t n = std::clamp<int64_t>((int64_t)p.size() - j * C, 0, C);
+      n_a[b] = (int32_t)n;
+      for (int64_t i = 0; i < n; ++i) ids_a[b][i] = p[j * C + i];
+    }
+    at::Tensor logits = run_checked(*prefill, "prefill", with_caches({ids.to(device), n_new.to(device), lengths}));
+    at::Tensor best = argmax_rows(logits).cpu();
+    auto best_a = best.accessor<int64_t, 1>();
+    for (int64_t b = 0; b < P; ++b)
+      if (n_a[b] > 0) first[b] = best_a[b];
+  }
+  sync();
+  double prefill_ms = ms_since(t_prefill);
+  log("prefill: " + std::to_string(P) + " prompt(s), " + std::to_string(n_chunks) + " chunk(s), " +
+      fmt_ms(prefill_ms));
+
+  // ---- greedy decode ----
+  const int64_t steps = o.max_new_tokens - 1;
+  // tokens[s] = the new ids of step s (s = 0: from prefill), for all B rows.
+  at::Tensor tokens = at::zeros({o.max_new_tokens, B}, at::TensorOptions().dtype(at::kLong).device(device));
+  {
+    at::Tensor f = at::zeros({B}, at::kLong);
+    auto f_a = f.accessor<int64_t, 1>();
+    for (int64_t b = 0; b < P; ++b) f_a[b] = first[b];
+    tokens[0].copy_(f);
+  }
+  // Static decode inputs, reused every step (a CUDA graph replays on these addresses).
+  at::Tensor ids = tokens[0].clone();
+  at::Tensor n_new;
+  {
+    at::Tensor n = at::zeros({B}, at::kInt);
+    auto n_a = n.accessor<int32_t, 1>();
+    for (int64_t b = 0; b < P; ++b) n_a[b] = 1;
+    n_new = n.to(device);
+  }
+  const std::vector<at::Tensor> dec_inputs = with_caches({ids, n_new, lengths});
+
+  auto t_decode = Clock::now();
+  int64_t s = 1;
+  bool graph_used = false;
+#ifdef DSV4_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  if (use_graph && steps >= 2) {
+    // One eager warm-up step (loads kernels, settles the allocator), then capture.
+    at::Tensor logits = run_checked(*decode, "decode", dec_inputs);
+    at::Tensor next = argmax_rows(logits);
+    tokens[s].copy_(next);
+    ids.copy_(next);
+    ++s;
+    sync();
+    graph = std::make_unique<at::cuda::CUDAGraph>();
+    at::Tensor static_logits;
+    bool capturing = false;
+    try {
+      graph->capture_begin();
+      capturing = true;
+      static_logits = run_checked(*decode, "decode", dec_inputs);
+      capturing = false;
+      graph->capture_end();  // capture records but does not execute: replay step s now
+    } catch (const std::exception& e) {
+      if (capturing) {
+        try { graph->capture_end(); } catch (...) {}
+      }
+      std::string msg = e.what();
+      msg = msg.substr(0, msg.find('\n'));
+      runtime_error("CUDA graph capture of the decode program failed (try --no-cuda-graph): " + msg);
+    }
+    for (; s <= steps; ++s) {
+      graph->replay();
+      at::Tensor nxt = argmax_rows(static_logits);
+      tokens[s].copy_(nxt);
+      ids.copy_(nxt);
+    }
+    graph_used = true;
+  }
+#endif
+  for (; s <= steps; ++s) {
+    at::Tensor logits = run_checked(*decode, "decode", dec_inputs);
+    at::Tensor nxt = argmax_rows(logits);
+    tokens[s].copy_(nxt);
+    ids.copy_(nxt);
+  }
+  sync();
+  double decode_ms = ms_since(t_decode);
+  if (steps > 0)
+    log("decode: " + std::to_string(steps) + " step(s), " + fmt_ms(decode_ms / steps) + "/step" +
+        (on_cuda ? (graph_used ? " (CUDA graph)" : " (eager)") : ""));
+
+  at::Tensor out = tokens.cpu();
+  auto out_a = out.accessor<int64_t, 2>();
+  std::string text;
+  for (int64_t b = 0; b < P; ++b) {
+    for (int64_t t = 0; t < o.max_new_tokens; ++t) {
+      if (t) text += ',';
+      text += std::to_string(out_a[t][b]);
+    }
+    text += '\n';
+  }
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    if (!parse_args(argc, argv, o)) {
+      std::fputs(kHelp, stdout);
+      return 0;
+    }
+  } catch (const RunError& e) {
+    std::cerr << "dsv4_run: error: " << e.what() << "\n";
+    return e.code;
+  }
+  try {
+    return run_main(o);
+  } catch (const RunError& e) {
+    std::cerr << "dsv4_run: error: " << e.what() << "\n";
+    return e.code;
+  } catch (const c10::Error& e) {
+    std::cerr << "dsv4_run: error: " << e.what_without_backtrace() << "\n";
+    return kExitRuntime;
+  } catch (const std::exception& e) {
+    std::cerr << "dsv4_run: error: " << e.what() << "\n";
+    return kExitRuntime;
+  } catch (...) {
+    std::cerr << "dsv4_run: error: unknown exception\n";
+    return kExitRuntime;
+  }
+}
