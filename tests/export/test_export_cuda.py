@@ -52,7 +52,8 @@ def test_cuda_package_holds_our_triton_kernels_and_no_extern_op_call(cuda_case) 
     for kernel in ("sparse_attention_kernel", "indexer_scores_kernel", "plan_kernel", "cache_write_kernel",
                    "compress_kernel", "sinkhorn_kernel"):
         assert kernel in code or any(kernel in n for n in names), f"{kernel} not compiled into the package"
-    assert "dsv4::" not in code and "proxy_executor" not in code, "an op fell back to an extern call"
+    # an op AOTInductor cannot compile becomes a call through the proxy executor (needs Python)
+    assert "proxy_executor_call_function" not in code, "an op fell back to an extern call"
     assert any(n.endswith(".cubin") for n in names)
 
 
