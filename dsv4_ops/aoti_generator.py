@@ -12,7 +12,6 @@ unless the process starts with ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.
 from __future__ import annotations
 
 import os
-import time
 import zipfile
 from typing import Sequence
 
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .aoti_export import FORMAT, PROGRAMS, SPEC_PROGRAMS, parse_cache_spec
-from .generator import check_next_ids, check_prompts, chunked
+from .generation_loop import GenerationLoop, PreparedBatch
 from .speculative import start_drafts
 
 __all__ = ["AOTIGenerator"]
@@ -33,7 +32,7 @@ def _zeros(spec: str, device) -> list[Tensor]:
     return [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in parse_cache_spec(spec)]
 
 
-class AOTIGenerator:
+class AOTIGenerator(GenerationLoop):
     """Greedy generation from an exported package.
 
     Args:
@@ -91,10 +90,8 @@ class AOTIGenerator:
             self.drafts = torch.zeros(B, self.spec_steps, dtype=torch.long, device=dev)
             self._active = torch.zeros(B, dtype=torch.int32, device=dev)
         self._graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._host_lengths: list[int] = []
-        self._stats = dict(prefill_steps=0, decode_steps=0, tokens_generated=0, decode_tokens=0, decode_time_s=0.0,
-                           cuda_graph_replays=0, graph_breaks=0, recompiles=0, compile_time_s=0.0,
-                           spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
+        self._bucket = B  # a package runs one static batch: every call pads to it
+        self._init_loop()
 
     # ------------------------------------------------------------------ loading
     @staticmethod
@@ -159,121 +156,29 @@ class AOTIGenerator:
         self._stats["cuda_graph_replays"] += 1
         return tuple(t.clone() for t in graph_out) if isinstance(graph_out, (tuple, list)) else graph_out.clone()
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ the steps
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
         """Start a new batch: ``prompts`` (ragged token-id lists, at most ``max_batch_size``) ->
         ``[B, vocab]`` fp32 logits at each prompt's last position."""
-        rows = check_prompts(prompts, self.max_batch_size, self.max_seq_len, self.vocab_size)
-        B, lens, C, bucket = len(rows), [len(r) for r in rows], self.prefill_chunk, self.max_batch_size
-        n_chunks = -(-max(lens) // C)
-        ids = torch.zeros(bucket, n_chunks * C, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-        lens_t = torch.zeros(bucket, dtype=torch.int32)
-        lens_t[:B] = torch.tensor(lens, dtype=torch.int32)
-        lens_t = lens_t.to(self.device)
-        if self.speculative:  # the token after each prompt position feeds the MTP window
-            next_ids = chunked(torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1), C).to(self.device)
-        ids = chunked(ids, C).to(self.device)
+        batch = self._prepare(prompts, self.max_batch_size)
         self.lengths.zero_()
-        self._host_lengths = lens
-        self._n_new.copy_((torch.arange(bucket, device=self.device) < B).to(torch.int32))
-        logits = None
-        for j in range(n_chunks):
-            n_new = (lens_t - j * C).clamp(0, C).to(torch.int32)
-            if self.speculative:
-                n_mtp = (lens_t - 1 - j * C).clamp(0, C).to(torch.int32)  # positions with a known next token
-                out = self._run("spec_prefill", ids[j], next_ids[j], n_new, n_mtp)
-            else:
-                out = self._run("prefill", ids[j], n_new)
-            logits = out if logits is None else torch.where((n_new > 0)[:, None], out, logits)
-            self._stats["prefill_steps"] += 1
-        if self.speculative:
-            start_drafts(self.last_tok, self.drafts, logits.argmax(-1))
-        self._stats["tokens_generated"] += B
-        return logits[:B]
+        self._n_new.copy_((torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32))
+        return self._prefill_batch(batch)
 
-    def decode(self, next_ids) -> Tensor:
-        """One token per request (``next_ids [B]``, B = the prefilled batch) -> ``[B, vocab]``."""
-        B = len(self._host_lengths)
+    def _prefill_chunk(self, j: int, batch: PreparedBatch) -> Tensor:
         if self.speculative:
-            raise ValueError("decode: this AOTIGenerator drafts with the package's speculative programs; use "
-                             "generate(), or AOTIGenerator(path, speculative=False) for token-by-token decode")
-        if B == 0:
-            raise ValueError("decode: call prefill first")
-        next_ids = check_next_ids(next_ids, B, self.vocab_size)
-        if max(self._host_lengths) + 1 > self.max_seq_len:
-            raise ValueError(f"decode: a request would exceed the package's max_seq_len {self.max_seq_len}")
-        t0 = time.perf_counter()
-        out = self._decode(next_ids.to(self.device, torch.long))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._count_decode(time.perf_counter() - t0, B)
-        return out
+            return self._run("spec_prefill", batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
+        return self._run("prefill", batch.ids[j], batch.n_new(j))
 
-    def _decode(self, next_ids: Tensor) -> Tensor:
+    def _decode_step(self, next_ids: Tensor) -> Tensor:
         B = len(self._host_lengths)
         self._ids.zero_()
         self._ids[:B].copy_(next_ids[:B])
-        out = self._graphed("decode", self._ids, self._n_new)
-        self._host_lengths = [n + 1 for n in self._host_lengths]
-        self._stats["decode_steps"] += 1
-        return out[:B]
+        return self._graphed("decode", self._ids, self._n_new)[:B]
 
-    def _count_decode(self, seconds: float, tokens: int) -> None:
-        self._stats["decode_time_s"] += seconds
-        self._stats["decode_tokens"] += tokens
-        self._stats["tokens_generated"] += tokens
+    def _spec_step(self, active: Tensor) -> tuple[Tensor, Tensor]:
+        self._active.copy_(active)
+        return self._graphed("spec", self._active)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32) -> list[list[int]]:
-        """Greedy decoding: the ``max_new_tokens`` new tokens of every prompt (with the package's
-        speculative programs when it has them: the same tokens, fewer steps)."""
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        rows = check_prompts(prompts, self.max_batch_size, self.max_seq_len, self.vocab_size, "generate")
-        longest = max(len(r) for r in rows)
-        if longest + max_new_tokens - 1 > self.max_seq_len:
-            raise ValueError(f"generate: longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 "
-                             f"> the package's max_seq_len {self.max_seq_len}")
-        first = self.prefill(rows).argmax(-1)
-        if self.speculative:
-            return self._generate_spec(first, max_new_tokens)
-        tokens = [first]
-        t0 = time.perf_counter()
-        for _ in range(max_new_tokens - 1):
-            tokens.append(self._decode(tokens[-1]).argmax(-1))
-        out = torch.stack(tokens, dim=1).tolist()  # the one host sync of the loop
-        self._count_decode(time.perf_counter() - t0, len(rows) * (max_new_tokens - 1))
-        return out
-
-    def _generate_spec(self, first: Tensor, max_new_tokens: int) -> list[list[int]]:
-        """Speculative steps until every row has ``max_new_tokens``; finished rows sit out."""
-        B, k = first.shape[0], self.spec_steps
-        out = [[t] for t in first.tolist()]
-        t0 = time.perf_counter()
-        while True:
-            active = [int(len(o) < max_new_tokens) for o in out] + [0] * (self.max_batch_size - B)
-            if not any(active):
-                break
-            self._active.copy_(torch.tensor(active, dtype=torch.int32))
-            tokens, counts = self._graphed("spec", self._active)
-            tokens, counts = tokens.tolist(), counts.tolist()  # one small sync per step
-            for b in range(B):
-                out[b] += tokens[b][: counts[b]]
-            n_act = sum(active)
-            self._stats["spec_steps_run"] += 1
-            self._stats["decode_steps"] += 1
-            self._stats["accepted_tokens"] += sum(counts) - n_act
-            self._stats["drafted_tokens"] += k * n_act
-        self._count_decode(time.perf_counter() - t0, sum(min(len(o), max_new_tokens) - 1 for o in out))
-        return [o[:max_new_tokens] for o in out]
-
-    @property
-    def stats(self) -> dict:
-        """The ``Generator`` keys: prefill_steps, decode_steps, tokens_generated, decode_tokens,
-        decode_time_s, decode_tokens_per_s, cuda_graph_replays, spec_steps_run, accepted_tokens,
-        acceptance_rate; graph_breaks, recompiles and compile_time_s are 0 (nothing compiles)."""
-        s = dict(self._stats)
-        s["decode_tokens_per_s"] = s["decode_tokens"] / s["decode_time_s"] if s["decode_time_s"] else 0.0
-        s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
-        return s
+    def _start_drafts(self, first: Tensor) -> None:
+        start_drafts(self.last_tok, self.drafts, first)

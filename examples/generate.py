@@ -22,7 +22,7 @@ if args.checkpoint:
     model = dsv4_ops.load_pretrained(args.checkpoint, device=device)
 else:
     torch.manual_seed(0)
-    model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny(), device=device)
+    model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny(num_hidden_layers=3), device=device)
 
 # the demo's shapes (make demo): Inductor's cache then already holds the compiled steps
 gen = dsv4_ops.Generator(model, max_batch_size=2, max_seq_len=128, prefill_chunk=16,

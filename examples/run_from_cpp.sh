@@ -6,9 +6,9 @@
 #
 # On the GPU box (torch 2.11): LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6 bash examples/run_from_cpp.sh
 set -euo pipefail
+PKG=$(realpath -m "${1:-$(dirname "$0")/../build/tiny.pt2}")
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-PKG=${1:-build/tiny.pt2}
 if [ ! -f "$PKG" ]; then
   "$PY" -m dsv4_ops export --config tiny --out "$PKG" --max-batch-size 2 --max-seq-len 128 --prefill-chunk 16
 fi

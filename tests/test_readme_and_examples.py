@@ -51,11 +51,14 @@ def test_example_generate(tmp_path: Path) -> None:
 
 
 def test_examples_export_then_run_from_cpp(tmp_path: Path) -> None:
-    pkg = tmp_path / "tiny.pt2"
-    out = run([sys.executable, str(ROOT / "examples" / "export_and_load.py"), "--out", str(pkg)], cwd=tmp_path)
+    """export_and_load.py exports with the Python API; run_from_cpp.sh, given no package, exports
+    the same seed-0 tiny model with the CLI (`python -m dsv4_ops export`) and runs it in C++."""
+    out = run([sys.executable, str(ROOT / "examples" / "export_and_load.py"), "--out", str(tmp_path / "py.pt2")],
+              cwd=tmp_path)
     tokens = re.search(r"AOTI tokens: (\[\[.*\]\])", out).group(1)
     if shutil.which("cmake") is None and not (ROOT / ".venv" / "bin" / "cmake").exists():
         pytest.skip("cmake is not installed: the C++ half of this example cannot be built")
-    cpp = run(["bash", str(ROOT / "examples" / "run_from_cpp.sh"), str(pkg)], cwd=ROOT)
+    cpp = run(["bash", str(ROOT / "examples" / "run_from_cpp.sh"), str(tmp_path / "cli.pt2")], cwd=ROOT)
+    assert (tmp_path / "cli.pt2").is_file()
     rows = [line for line in cpp.strip().splitlines() if re.fullmatch(r"[\d,]+", line)]
     assert [[int(t) for t in r.split(",")] for r in rows] == ast.literal_eval(tokens)

@@ -219,7 +219,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         Returns fp32 logits ``[B, S, vocab]``, or ``[B, vocab]`` at each row's last new token
         with ``last_only=True``. Bad shapes raise ``ValueError``; in eager mode token ids,
         ``n_new`` and the pool's capacity are checked too (a compiled step reads no values).
+        The dsv4 ops are inference kernels without a backward, so the step never records
+        autograd (the logits do not require grad), also under ``torch.compile`` with grad enabled.
         """
+        with torch.no_grad():
+            return self._forward(input_ids, lengths, n_new, last_only)
+
+    def _forward(self, input_ids: Tensor, lengths: Tensor | None, n_new: Tensor | None, last_only: bool) -> Tensor:
         B, S = self._check_input_ids(input_ids)
         if lengths is None:
             if n_new is not None:

@@ -145,7 +145,7 @@ def plain_prefilled(g: AOTIGenerator) -> AOTIGenerator:
 @pytest.mark.parametrize("call, match", [
     (lambda g: g.prefill([[1]] * 5), r"5 prompts > max_batch_size 4"),
     (lambda g: g.prefill([[1] * 97]), r"prompts\[0\] has 97 tokens > max_seq_len 96"),
-    (lambda g: g.generate([[1] * 90], max_new_tokens=8), r"> the package's max_seq_len 96"),
+    (lambda g: g.generate([[1] * 90], max_new_tokens=8), r"> max_seq_len 96"),
     (lambda g: g.prefill([[1, 256]]), r"token id 256 .*vocab_size=256"),
     (lambda g: AOTIGenerator(g.path, speculative=False).decode(torch.tensor([1])), "call prefill first"),
     (lambda g: (g.prefill([[1], [2]]), g.decode(torch.tensor([1, 2])))[1], "use generate"),
