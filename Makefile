@@ -30,8 +30,10 @@ $(STAMP): requirements.txt setup.py
 demo: $(STAMP)
 	$(PY) -m dsv4_ops demo
 
+# two workers (CI has 2 cores): compiling is mostly single-threaded Python; a file's tests stay
+# on one worker, so its module/session fixtures (one exported package, one compiled model) build once
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # GPU-only suite (run on the GPU box)
 test-gpu: $(STAMP)
@@ -42,18 +44,8 @@ clean:
 
 # C++ runner for exported .pt2 packages (csrc/runner): build/dsv4_run, against the libtorch of
 # the venv's torch (set up first), or of RUNNER_PY's torch when given (`make runner RUNNER_PY=python3`
-# on a machine whose torch is installed already, e.g. the GPU box). Configures once (again only when
-# the torch install changes); `cmake --build` is a no-op when nothing changed. Uses $(VENV)/bin/cmake
-# when the venv has one, else cmake from PATH.
-RUNNER_BUILD := build/runner
+# on a machine whose torch is installed already, e.g. the GPU box). See csrc/runner/build.sh.
 RUNNER_PY ?=
 runner:
 	@[ -n "$(RUNNER_PY)" ] || $(MAKE) --no-print-directory setup
-	@py=$(or $(RUNNER_PY),$(PY)); \
-	cm=$$( [ -x $(VENV)/bin/cmake ] && echo $(VENV)/bin/cmake || command -v cmake ) || { echo "[runner] cmake not found"; exit 1; }; \
-	prefix=$$($$py -c "import torch; print(torch.utils.cmake_prefix_path)") || exit 1; \
-	if ! grep -qF "CMAKE_PREFIX_PATH:UNINITIALIZED=$$prefix" $(RUNNER_BUILD)/CMakeCache.txt 2>/dev/null; then \
-	  $$cm -S csrc/runner -B $(RUNNER_BUILD) -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$$prefix" \
-	    -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$(CURDIR)/build" >/dev/null || exit 1; \
-	fi; \
-	$$cm --build $(RUNNER_BUILD) -j $$(nproc)
+	@bash csrc/runner/build.sh $(or $(RUNNER_PY),$(PY))

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
-from benchmarks.random_weights import bench_model as random_model  # noqa: E402
+from benchmarks.random_weights import bench_setup  # noqa: E402
 
 MODES = {"graphs": dict(compile=True), "compiled": dict(compile=True, cuda_graphs=False), "eager": dict(compile=False)}
 DECODE_SLACK = 256  # max_seq_len headroom past the longest context: warm-up + timed decode calls
@@ -304,12 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None, log=None) -> dict:
     args = parse_args(argv)
     log = log or (lambda msg: print(msg, flush=True))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" and not args.smoke:
-        raise SystemExit("bench_model: no CUDA device; on CPU run the tiny --smoke grid")
-    cfg = DSV4Config.tiny() if args.smoke else bench_config(args.layers)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
-    model = random_model(cfg, dtype=dtype, device=device)
+    device, cfg, model = bench_setup(args, "bench_model", bench_config)
+    dtype = model.dtype
     try:
         import triton
 

@@ -41,7 +41,7 @@ from benchmarks.bench_model import MODES, bench_config, floor_parts, release, we
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
-from benchmarks.random_weights import bench_model as random_model  # noqa: E402
+from benchmarks.random_weights import bench_setup  # noqa: E402
 
 STATS = ("decode_steps", "decode_tokens", "accepted_tokens", "drafted_tokens")
 
@@ -106,11 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None, log=None) -> dict:
     args = parse_args(argv)
     log = log or (lambda msg: print(msg, flush=True))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" and not args.smoke:
-        raise SystemExit("bench_spec: no CUDA device; on CPU run the tiny --smoke grid")
-    cfg = DSV4Config.tiny() if args.smoke else bench_config(args.layers)
-    model = random_model(cfg, dtype=torch.float32 if args.smoke else torch.bfloat16, device=device)
+    device, cfg, model = bench_setup(args, "bench_spec", bench_config)
     mode = MODES["eager" if args.smoke else "graphs"]
     ctx, (n_short, n_long) = args.context, args.new_tokens
     res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import DSV4Config
+from ..ops._validate import reads_values
 from ..reference.rope import rope_tables
 from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
@@ -267,7 +268,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         B, S = input_ids.shape
         if B == 0 or S == 0:
             raise ValueError(f"forward: input_ids must have at least one row and one token, got shape {(B, S)}")
-        if _reads_values(input_ids):
+        if reads_values(input_ids):
             bad = (input_ids < 0) | (input_ids >= self.config.vocab_size)
             if bool(bad.any()):
                 b, s = (int(i) for i in bad.nonzero()[0])
@@ -291,7 +292,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"forward: {name} must be an int32 tensor of shape [{B}] (the rows of "
                                  f"input_ids), got {getattr(t, 'dtype', type(t).__name__)} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
-        if _reads_values(lengths, n_new):
+        if reads_values(lengths, n_new):
             if bool(((n_new < 0) | (n_new > S)).any()):
                 raise ValueError(f"forward: n_new must be in [0, {S}] (input_ids.shape[1]), got {n_new.tolist()}")
             end = lengths.long() + n_new.long()
@@ -299,19 +300,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"forward: lengths + n_new = {end.tolist()} exceeds the pool's max_seq_len "
                                  f"{cc.max_seq_len} (or lengths < 0): call setup_caches with a larger max_seq_len")
         return n_new
-
-
-def _reads_values(*tensors: Tensor) -> bool:
-    """Boundary value checks read device data (a host sync): eager only, never while compiling,
-    exporting or capturing a CUDA graph."""
-    if torch.compiler.is_compiling():
-        return False
-    for t in tensors:
-        if t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t):
-            return False
-        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
-    return True
 
 
 def _cast_non_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:

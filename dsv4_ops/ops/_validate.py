@@ -9,27 +9,9 @@ All checks raise ``ValueError``.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-
-_trusted = threading.local()
-
-
-@contextlib.contextmanager
-def trusted_inputs():
-    """Skip the value checks (which sync the host) inside this block: for callers whose
-    metadata comes straight from ``plan``, such as the generator's eager step."""
-    prev = getattr(_trusted, "on", False)
-    _trusted.on = True
-    try:
-        yield
-    finally:
-        _trusted.on = prev
-
 
 def fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
@@ -80,7 +62,7 @@ def at_least(op: str, name: str, value: int, minimum: int, why: str = "") -> Non
 # ---- value checks: eager only ---------------------------------------------------------
 def reads_values(*tensors: Tensor) -> bool:
     """True when value checks may read these tensors: eager, real data, not capturing."""
-    if torch.compiler.is_compiling() or getattr(_trusted, "on", False):
+    if torch.compiler.is_compiling():
         return False
     for t in tensors:
         if t.device.type == "meta" or is_fake(t):
