@@ -8,8 +8,10 @@ py=${1:?usage: build.sh PYTHON}
 build=build/runner
 cm=$( [ -x .venv/bin/cmake ] && echo .venv/bin/cmake || command -v cmake ) || { echo "[runner] cmake not found"; exit 1; }
 mkdir -p build
-exec 9>build/.runner.lock
-flock 9
+if command -v flock >/dev/null; then  # util-linux; without it builds simply do not take turns
+  exec 9>build/.runner.lock
+  flock 9
+fi
 prefix=$("$py" -c "import torch; print(torch.utils.cmake_prefix_path)")
 if ! grep -qF "CMAKE_PREFIX_PATH:UNINITIALIZED=$prefix" $build/CMakeCache.txt 2>/dev/null; then
   "$cm" -S csrc/runner -B $build -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
