@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .model.attention import AttentionState
+from .ops._validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
 from .speculative import SpecState, SpeculativeStep
@@ -110,11 +111,6 @@ class _SpecStep(_SpecProgram):
         return SpeculativeStep(self.model, self.k).step(st, active)
 
 
-def _check(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"export: {name} must be an int >= {low}, got {value!r}")
-
-
 def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
            prefill_chunk: int = 64, *, verbose: bool = True) -> str:
     """Export ``model`` (a ``dsv4_ops.DeepseekV4ForCausalLM``, on the device the package will run
@@ -128,10 +124,10 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     path = os.fspath(path)
     if not path.endswith(".pt2"):
         raise ValueError(f"export: path must end in .pt2, got {path!r}")
-    _check("max_batch_size", max_batch_size, 1)
-    _check("max_seq_len", max_seq_len, 1)
-    _check("prefill_chunk", prefill_chunk, 1)
-    _check("spec_steps", spec_steps, 0)
+    check_int("export: max_batch_size", max_batch_size, 1)
+    check_int("export: max_seq_len", max_seq_len, 1)
+    check_int("export: prefill_chunk", prefill_chunk, 1)
+    check_int("export: spec_steps", spec_steps, 0)
     k = spec_steps
     if k and len(model.mtp) == 0:
         raise ValueError("export: spec_steps > 0 needs the model's MTP block (config.num_nextn_predict_layers >= 1)")

@@ -15,13 +15,10 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from .ops._validate import check_int
+
 __all__ = ["GenerationLoop", "PreparedBatch", "check_prompts", "check_next_ids", "pad_rows", "chunked",
            "check_int"]
-
-
-def check_int(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def check_prompts(prompts, max_batch_size: int, max_seq_len: int, vocab_size: int, where: str = "prefill"

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import DSV4Config
-from ..ops._validate import reads_values
+from ..ops._validate import check_int, reads_values
 from ..reference.rope import rope_tables
 from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
@@ -147,8 +147,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 1),
                                  ("lookahead", lookahead, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"setup_caches: {name} must be an int >= {low}, got {value!r}")
+            check_int(f"setup_caches: {name}", value, low)
         if mtp and len(self.mtp) == 0:
             raise ValueError("setup_caches: mtp=True but the model has no MTP block "
                              "(config.num_nextn_predict_layers = 0)")

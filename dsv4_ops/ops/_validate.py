@@ -54,6 +54,12 @@ def same_device(op: str, **tensors: Tensor) -> None:
                      f"{name} is on {tensors[name].device}")
 
 
+def check_int(name: str, value, low: int) -> None:
+    """A Python int (not a bool) ``>= low``; ``name`` carries its caller, e.g. "export: max_seq_len"."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def at_least(op: str, name: str, value: int, minimum: int, why: str = "") -> None:
     if value < minimum:
         fail(op, f"{name} must be >= {minimum}{' ' + why if why else ''}, got {value}")
