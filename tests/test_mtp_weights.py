@@ -10,7 +10,7 @@ from dsv4_ops import DSV4Config, DeepseekV4ForCausalLM
 from model_util import random_model
 
 # dsv4_ops name (inside mtp.0.) -> DeepSeek's checkpoint name, written out independently of
-# dsv4_ops.hf's rename table so that the test checks it
+# dsv4_ops.checkpoint's rename table so that the test checks it
 OFFICIAL = {
     "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "e_proj.weight": "e_proj.weight",
     "h_proj.weight": "h_proj.weight", "norm.weight": "norm.weight",

@@ -13,7 +13,7 @@ top-k routing (never hashed); ``embed_tokens`` and ``lm_head`` are the main mode
 Parameter names (``mtp.0.*``): the block is a ``DecoderLayer`` with the same HF-style names as
 a main layer (``self_attn.*``, ``mlp.*``, ``input_layernorm``, ``post_attention_layernorm``,
 ``attn_hc.*``, ``ffn_hc.*``) plus ``enorm``, ``hnorm``, ``e_proj``, ``h_proj``,
-``hc_head.{hc_fn,hc_base,hc_scale}`` and ``norm``. ``dsv4_ops.hf.load_pretrained`` maps
+``hc_head.{hc_fn,hc_base,hc_scale}`` and ``norm``. ``dsv4_ops.load_pretrained (checkpoint.py)`` maps
 DeepSeek's checkpoint names onto these with the main layers' rename table (``mtp.0.attn.wq_a``
 -> ``mtp.0.self_attn.q_a_proj``, ``mtp.0.ffn_norm`` -> ``mtp.0.post_attention_layernorm``,
 ``mtp.0.hc_head_fn`` -> ``mtp.0.hc_head.hc_fn``; ``enorm``/``hnorm``/``e_proj``/``h_proj``/

@@ -1,5 +1,5 @@
-"""transformers glue: build a dsv4_ops model from an HF ``DeepseekV4ForCausalLM`` or from a
-checkpoint directory on disk."""
+"""Checkpoints on disk: ``load_pretrained`` builds a dsv4_ops model from a checkpoint directory
+(HF or DeepSeek tensor names)."""
 from __future__ import annotations
 
 import json
@@ -11,10 +11,10 @@ import torch
 from .config import DSV4Config
 from .model.model import DeepseekV4ForCausalLM
 
-__all__ = ["from_hf", "load_pretrained"]
+__all__ = ["load_pretrained", "check_load"]
 
 
-def _check_load(where: str, model, result) -> None:
+def check_load(where: str, model, result) -> None:
     """Every parameter must be loaded, except the MTP block's when the source has no MTP
     tensors at all (HF transformers drops them); source tensors must all be used, except
     extra MTP layers (``mtp.N`` beyond the one block we build)."""
@@ -32,23 +32,6 @@ def _check_load(where: str, model, result) -> None:
     if unexpected:
         raise ValueError(f"{where}: {len(unexpected)} checkpoint tensors have no dsv4_ops counterpart, "
                          f"e.g. {unexpected[:5]}")
-
-
-def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | None = None) -> DeepseekV4ForCausalLM:
-    """A ``dsv4_ops.DeepseekV4ForCausalLM`` with the weights of a transformers
-    ``DeepseekV4ForCausalLM`` (copied; same device; big weights in ``dtype``, default the HF
-    model's dtype; fp32-only parameters stay fp32).
-
-    HF transformers drops the MTP block's weights, so ``model.mtp`` keeps its initialisation
-    (speculative decoding stays exact, only acceptance suffers); ``load_pretrained`` of an
-    official checkpoint loads them. Raises ``ValueError`` if any other parameter of ours has
-    no counterpart in the HF state dict.
-    """
-    cfg = DSV4Config.from_hf(hf_model.config)
-    ref = hf_model.get_input_embeddings().weight
-    model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device=ref.device, max_positions=max_positions)
-    _check_load("from_hf", model, model.load_state_dict(hf_model.state_dict(), strict=False))
-    return model.eval()
 
 
 # --------------------------------------------------------------------------------------
@@ -179,5 +162,5 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: saved once
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype, device=device, max_positions=max_positions)
-    _check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False))
+    check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False))
     return model.eval()
