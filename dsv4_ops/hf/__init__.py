@@ -25,3 +25,8 @@ def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | Non
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device=ref.device, max_positions=max_positions)
     check_load("from_hf", model, model.load_state_dict(hf_model.state_dict(), strict=False))
     return model.eval()
+
+
+from .inplace import disable, enable, is_enabled  # noqa: E402
+
+__all__ += ["enable", "disable", "is_enabled"]
