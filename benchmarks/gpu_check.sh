@@ -8,6 +8,8 @@
 #   bench-b1 = the Generator decode row at batch 1 x 4K only (the AOTI comparison point)
 #   aoti    = dsv4_ops.export + AOTIGenerator at batch 1 x 4K (bench_model.py --aoti; LD_PRELOAD set), then the C++
 #             runner build/dsv4_run on the same package (prefill 4K, 255 decode steps, CUDA graph), twice
+#   hf      = HF generate unpatched vs dsv4_ops.hf.enable (eager, compiled) vs Generator, B=1 and 32
+#             (benchmarks/bench_hf.py)
 #   spec    = speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py; ~5 min cold)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
@@ -47,6 +49,7 @@ for what in "$@"; do
       python3 -m pytest -q tests/test_triton_interp.py tests/test_triton_interp_more.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/triton_tests.log" | tail -3 || rc=1 ;;
     demo) python3 -m dsv4_ops demo --max-new-tokens 32 2>&1 | quiet | tee "$OUT/demo.log" || rc=1 ;;
+    hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     bench) python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" 2>&1 | quiet | tee "$OUT/bench_model.log" || rc=1 ;;
     bench-b1) # the Generator's CUDA-graphed decode at batch 1 x 4K only (the AOTI comparison point)
           python3 benchmarks/bench_model.py --batches 1 --contexts 4096 --compare-at --hf-points \

@@ -257,3 +257,29 @@ def test_bf16_forward_after_enable_is_as_close_to_fp32_as_hf_bf16():
         assert ours.dtype == torch.bfloat16
         ours_err += rel(ours.float(), fp32)
     assert ours_err <= 1.3 * hf_err, (ours_err, hf_err)
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_enabled_generate_eager_and_compiled_equals_hf_alone():
+    """On CUDA the ops run the Triton kernels and HF compiles the decode step itself (CUDA graphs,
+    ``mode="reduce-overhead"``): fp32 forward parity, and both the eager and the compiled padded
+    batch equal unpatched HF's tokens for each prompt alone."""
+    cfg = CONFIGS["hc4"]
+    hf = make_hf(cfg, seed=12).cuda()
+    prompts = [p.cuda() for p in _prompts(cfg, PROMPT_LENGTHS, seed=6)]
+    greedy = _alone(hf, prompts, max_new_tokens=96, do_sample=False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 70), device="cuda")
+    with torch.no_grad():
+        ref = hf(ids).logits
+    dsv4_ops.hf.enable(hf)
+    with torch.no_grad():
+        assert rel(hf(ids).logits, ref) <= 1e-4
+    batch = [t.cuda() for t in _left_padded(prompts)]
+    hf.generation_config.disable_compile = True
+    eager = _generate(hf, *batch, max_new_tokens=96, do_sample=False)
+    hf.generation_config.disable_compile = False
+    compiled = _generate(hf, *batch, max_new_tokens=96, do_sample=False)
+    for i, want in enumerate(greedy):
+        assert torch.equal(eager[i], want), i
+        assert torch.equal(compiled[i], want), i
