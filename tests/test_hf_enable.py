@@ -52,7 +52,7 @@ def _generate(hf, ids, mask, **kw) -> torch.Tensor:
 
 def _alone(hf, prompts, **kw) -> list[torch.Tensor]:
     """Each prompt generated alone (batch 1, no padding) by whatever ``hf`` runs now."""
-    return [_generate(hf, p[None], torch.ones(1, len(p), dtype=torch.long), **kw)[0] for p in prompts]
+    return [_generate(hf, p[None], torch.ones(1, len(p), dtype=torch.long, device=p.device), **kw)[0] for p in prompts]
 
 
 @pytest.fixture(scope="module")

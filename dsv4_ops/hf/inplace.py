@@ -203,6 +203,13 @@ def _base_model(model: nn.Module) -> nn.Module:
                     f"got {type(model).__name__}")
 
 
+def _no_masks(*args, **kwargs) -> None:
+    """``generate`` builds a 4-D mask per layer type before every step for a static cache (three
+    ``[B, 1, S, max_cache_len]`` tensors); an enabled model addresses its pool by position and
+    derives padding from ``position_ids``, so it skips that work."""
+    return None
+
+
 def is_enabled(model: nn.Module) -> bool:
     return is_adopted(_base_model(model))
 
@@ -246,6 +253,8 @@ def enable(model: nn.Module) -> nn.Module:
             gen.cache_implementation = "static"
         if gen.compile_config is None:
             gen.compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    if model is not base:  # generate: no per-step 4-D masks (the step never reads them; see _no_masks)
+        model.__dict__["create_masks_for_generate"] = _no_masks
     return model
 
 
@@ -255,6 +264,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not is_adopted(base):
         return model
     base._dsv4_clear_pool()
+    model.__dict__.pop("create_masks_for_generate", None)
     gen, saved = base.__dict__.pop("_dsv4_generation_defaults", (None, None))
     if gen is not None:
         gen.cache_implementation, gen.compile_config = saved
