@@ -83,6 +83,28 @@ def bench_generator(hf, batch: int, prompt: int, n: int, device, log) -> dict:
     return row
 
 
+def profile_host(hf, args, device, log) -> None:
+    """Host-side cost of HF's compiled generate loop per decode step, by function (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    dsv4_ops.hf.enable(hf)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, hf.config.vocab_size, (1, args.prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    generate_s(hf, ids, mask, args.new_tokens)  # warm-up: compile + graphs
+    prof = cProfile.Profile()
+    prof.enable()
+    generate_s(hf, ids, mask, args.new_tokens)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(40)
+    log(f"cProfile of one compiled generate ({args.new_tokens} tokens, batch 1):\n{out.getvalue()}")
+    dsv4_ops.hf.disable(hf)
+    torch._dynamo.reset()
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -90,6 +112,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--smoke", action="store_true", help="tiny config in fp32 (CPU ok)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the rows: cProfile of one compiled generate at batch 1 (where the host time goes)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -116,6 +140,8 @@ def main(argv=None) -> dict:
         torch._dynamo.reset()
         rows.append(bench_generator(hf, batch, args.prompt, args.new_tokens, device, log))
         torch._dynamo.reset()
+    if args.profile:
+        profile_host(hf, args, device, log)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__, config="tiny" if args.smoke else "bench (2 layers)", rows=rows)
     for batch in args.batches:

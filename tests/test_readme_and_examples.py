@@ -25,7 +25,8 @@ def run(cmd: list[str], cwd: Path, timeout: int = 900) -> str:
 
 
 def test_readme_has_the_snippets_a_newcomer_needs() -> None:
-    assert len(SNIPPETS) == 5
+    assert len(SNIPPETS) == 6
+    assert "dsv4_ops.hf.enable" in SNIPPETS[0]  # the HF path is the first thing a HF user sees
     for code in SNIPPETS:
         ast.parse(code)
         assert "print(" in code  # every snippet shows its result
@@ -35,9 +36,9 @@ def test_readme_has_the_snippets_a_newcomer_needs() -> None:
 def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     stdout = run([sys.executable, "-c", SNIPPETS[i]], cwd=tmp_path)
     assert stdout.strip(), "the snippet printed nothing"
-    if i == 0:  # generate: two lists of 16 new tokens, then 0 recompiles and 0 graph breaks
+    if i == 1:  # generate: two lists of 16 new tokens, then 0 recompiles and 0 graph breaks
         assert stdout.strip().endswith("0 0")
-    if i == 3:
+    if i == 4:
         assert (tmp_path / "build" / "tiny.pt2").is_file()
 
 

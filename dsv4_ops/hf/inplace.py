@@ -218,8 +218,9 @@ def enable(model: nn.Module) -> nn.Module:
     """Run HF's ``DeepseekV4ForCausalLM`` / ``DeepseekV4Model`` on dsv4_ops, in place; returns ``model``.
 
     Parameters are shared, not copied (``state_dict`` keys and tensors unchanged). ``generate``
-    then defaults to ``cache_implementation="static"`` and a ``CompileConfig(fullgraph=True)``
-    (compiled decode where HF compiles: CUDA, or any device with ``compile_config._compile_all_devices``).
+    then defaults to ``cache_implementation="static"`` and, for a model not on the CPU, a
+    ``CompileConfig(fullgraph=True)`` (HF compiles the decode step on CUDA, or on any device with
+    ``compile_config._compile_all_devices``).
     Calling it again is a no-op. ``disable(model)`` restores HF's own code.
     """
     base = _base_model(model)
@@ -251,7 +252,9 @@ def enable(model: nn.Module) -> nn.Module:
         base.__dict__["_dsv4_generation_defaults"] = (gen, saved)
         if gen.cache_implementation is None:
             gen.cache_implementation = "static"
-        if gen.compile_config is None:
+        if gen.compile_config is None and device.type != "cpu":
+            # where HF compiles the decode step (on CPU HF would only warn that it cannot); a model
+            # moved to CUDA later gets HF's default CompileConfig, which our graph-break-free step also meets
             gen.compile_config = CompileConfig(fullgraph=True, dynamic=False)
     if model is not base:  # generate: no per-step 4-D masks (the step never reads them; see _no_masks)
         model.__dict__["create_masks_for_generate"] = _no_masks
