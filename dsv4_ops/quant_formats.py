@@ -89,7 +89,22 @@ def _apply(values: Tensor, scale: Tensor, bn: int, bk: int, dtype: torch.dtype) 
     s = decode_scale(scale)
     work = torch.float32 if exact_in_fp32 else torch.float64
     n, k = values.shape[-2:]
-    return (values.to(work) * _expand(s.to(work), n, k, bn, bk)).to(dtype)
+    out = values.to(work) * _expand(s.to(work), n, k, bn, bk)
+    return out.to(dtype) if exact_in_fp32 else _round_once(out, dtype)
+
+
+def _round_once(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp64 -> ``dtype`` (bf16 / fp16) with ONE rounding. torch converts fp64 to bf16 through
+    fp32, which can double-round; rounding to fp32 "to odd" first (truncate, then set the last
+    bit if anything was cut off) keeps the information the second rounding needs, since fp32
+    has at least 2 more significant bits than bf16 or fp16."""
+    if dtype == torch.float64:
+        return x
+    t = x.to(torch.float32)
+    inexact = t.double() != x
+    t = torch.where(inexact & (t.double().abs() > x.abs()), torch.nextafter(t, torch.zeros_like(t)), t)
+    t = (t.view(torch.int32) | inexact.to(torch.int32)).view(torch.float32)
+    return t.to(dtype)
 
 
 def _check_scale(what: str, scale: Tensor, want: tuple[int, ...]) -> None:
