@@ -66,7 +66,7 @@ def decode_scale(scale: Tensor) -> Tensor:
         raise ValueError("ue8m0 scale has the NaN code 0xFF")
     # 2 ** (b - 127) for b in 0..254: every value is an fp32 number (2**-127 a subnormal)
     table = torch.ldexp(torch.ones(256, device=b.device), torch.arange(256, device=b.device) - 127)
-    return table[b.long()]
+    return _lookup(table, b)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:
@@ -75,8 +75,13 @@ def unpack_fp4(packed: Tensor) -> Tensor:
         raise ValueError(f"FP4 weights must be int8 / uint8 / float4_e2m1fn_x2, got {packed.dtype}")
     b = packed.view(torch.uint8)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=b.device)
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).long()  # [..., K//2, 2]: low nibble = even element
-    return table[codes].flatten(-2)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1)  # [..., K//2, 2]: low nibble = even element
+    return _lookup(table, codes).flatten(-2)
+
+
+def _lookup(table: Tensor, codes: Tensor) -> Tensor:
+    # index_select: plain `table[codes]` has a ~5 ms fixed cost per call on CPU
+    return table.index_select(0, codes.flatten().long()).view(codes.shape)
 
 
 def _expand(scale: Tensor, n: int, k: int, bn: int, bk: int) -> Tensor:

@@ -187,3 +187,245 @@ def test_dequantisers_reject_a_wrong_scale_shape_or_dtype() -> None:
         dequantize_fp4(torch.zeros(4, 20, dtype=torch.int8), torch.ones(4, 1))
     with pytest.raises(ValueError, match="scale format"):
         dequantize_fp4(torch.zeros(4, 16, dtype=torch.int8), torch.ones(4, 1, dtype=torch.float16))
+
+
+# --------------------------------------------------------------------------------------
+# a synthetic official-format checkpoint, written from a random model
+# --------------------------------------------------------------------------------------
+# dsv4_ops names -> DeepSeek's (layer level: test_mtp_weights.OFFICIAL plus the compressor / indexer)
+LAYER = {
+    **OFFICIAL,
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+}
+TOP = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "model.norm.weight": "norm.weight",
+       "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+       "model.hc_head.hc_scale": "hc_head_scale"}
+FP8_LINEARS = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_proj.weight",
+               "self_attn.o_a_proj.weight", "self_attn.o_b_proj.weight", "indexer.q_b_proj.weight",
+               "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+               "shared_experts.down_proj.weight", "e_proj.weight", "h_proj.weight")
+BF16_TENSORS = ("embed_tokens.weight", "lm_head.weight", "compressor.kv_proj.weight", "compressor.gate_proj.weight",
+                "weights_proj.weight", "mlp.gate.weight")  # as the official checkpoints store them
+
+
+def deepseek_name(name: str) -> str:
+    if name.startswith("model.layers."):
+        _, _, n, rest = name.split(".", 3)
+        return f"layers.{n}.{LAYER[rest]}"
+    if name.startswith("mtp.0."):
+        return "mtp.0." + LAYER[name[len("mtp.0."):]]
+    return TOP[name]
+
+
+def _blocks(x: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """|x| [..., N, K] -> per-block max [..., ceil(N/bn), ceil(K/bk)] (edge blocks partial)."""
+    N, K = x.shape[-2:]
+    nb, kb = math.ceil(N / bn), math.ceil(K / bk)
+    p = F.pad(x.abs(), (0, kb * bk - K, 0, nb * bn - N))
+    return p.unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn)).amax(dim=(-3, -1))
+
+
+def _full(s: torch.Tensor, N: int, K: int, bn: int, bk: int) -> torch.Tensor:
+    return s.repeat_interleave(bn, -2)[..., :N, :].repeat_interleave(bk, -1)[..., :K]
+
+
+def _scale(amax: torch.Tensor, top: float, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored scale, its value as fp64)."""
+    s = amax.clamp(min=1e-8) / top
+    if kind == "float":
+        return s, s.double()
+    e = torch.ceil(torch.log2(s))  # a power of two >= amax / top: no clipping
+    return (e + 127).to(torch.uint8).view(E8M0), torch.exp2(e).double()
+
+
+def quant_fp8(w: torch.Tensor, block, kind: str):
+    """(codes, stored scales, dequantised fp64) for an fp32 weight [..., N, K]."""
+    N, K = w.shape[-2:]
+    s, s64 = _scale(_blocks(w, *block), 448.0, kind)
+    full = _full(s64, N, K, *block)
+    codes = (w.double() / full).to(torch.float8_e4m3fn)
+    return codes, s, codes.double() * full
+
+
+def quant_fp4(w: torch.Tensor, kind: str, storage=torch.int8):
+    """(packed codes, stored scales, dequantised fp64) for an fp32 weight [..., N, K], K even."""
+    N, K = w.shape[-2:]
+    s, s64 = _scale(_blocks(w, 1, 32), 6.0, kind)
+    full = _full(s64, N, K, 1, 32)
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    codes = ((w.double() / full)[..., None] - table).abs().argmin(-1)  # nearest e2m1 value
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed.view(storage), s, table.index_select(0, codes.flatten()).view(codes.shape) * full
+
+
+def official_checkpoint(src: DeepseekV4ForCausalLM, names: str, scale: str, block=(128, 128),
+                        experts: str = "fp4", fp4_storage=torch.int8):
+    """``(tensors, expected)``: ``src``'s weights as an official checkpoint (FP8 linears, FP4 or
+    FP8 experts, bf16 / fp32 rest) in DeepSeek names (``X.scale``, per-expert w1/w2/w3) or HF
+    names (``X.weight_scale_inv``, fused ``gate_up_proj`` / ``down_proj`` + ``..._scale_inv``),
+    and the fp64 values each dsv4_ops parameter must load to."""
+    tensors, expected = {}, {}
+    deepseek = names == "deepseek"
+    for name, t in src.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q, s, deq = quant_fp4(t, scale, fp4_storage) if experts == "fp4" else quant_fp8(t, block, scale)
+            expected[name] = deq
+            if not deepseek:
+                tensors[name], tensors[name + "_scale_inv"] = q, s
+                continue
+            prefix = deepseek_name(name.rsplit(".", 3)[0] + ".mlp.gate.weight").rsplit(".", 2)[0] + ".experts"
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    parts = {"w1": slice(0, I), "w3": slice(I, 2 * I)}
+                else:
+                    parts = {"w2": slice(None)}
+                for w, rows in parts.items():
+                    if experts == "fp4":  # FP4 scales are per row: slices of the fused tensor's
+                        qe, se = q[e, rows].contiguous(), s[e, rows].contiguous()
+                    else:  # an FP8 block must not span w1 / w3: quantise each piece on its own
+                        qe, se, expected[name][e, rows] = quant_fp8(t[e, rows].contiguous(), block, scale)
+                    tensors[f"{prefix}.{e}.{w}.weight"], tensors[f"{prefix}.{e}.{w}.scale"] = qe, se
+            continue
+        key = deepseek_name(name) if deepseek else name
+        if name.endswith(FP8_LINEARS):
+            q, s, expected[name] = quant_fp8(t, block, scale)
+            tensors[key] = q
+            tensors[key[: -len("weight")] + ("scale" if deepseek else "weight_scale_inv")] = s
+        elif name.endswith(BF16_TENSORS):
+            tensors[key] = t.to(torch.bfloat16)
+            expected[name] = tensors[key].double()
+        elif name.endswith("tid2eid"):
+            tensors[key] = t.to(torch.int32)
+            expected[name] = t
+        else:
+            tensors[key] = t.contiguous()
+            expected[name] = t.double()
+    return tensors, expected
+
+
+QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def write_checkpoint(path, cfg: DSV4Config, tensors: dict, n_shards: int = 1, interleave: bool = True,
+                     **quant) -> list[str]:
+    """config.json (+ quantization_config) and the tensors, in ``n_shards`` files with an index.
+    ``interleave``: key ``i`` (sorted) goes to shard ``i % n_shards``, so consecutive experts and
+    a weight and its scale sit in different shards; else contiguous runs."""
+    hcfg = cfg.to_hf()
+    hcfg.quantization_config = {**QUANT, **quant}
+    hcfg.save_pretrained(path)
+    keys = sorted(tensors)
+    if n_shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return ["model.safetensors"]
+    files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    where = {k: files[i % n_shards if interleave else i * n_shards // len(keys)] for i, k in enumerate(keys)}
+    for f in files:
+        save_file({k: tensors[k] for k in keys if where[k] == f}, os.path.join(path, f))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": where}, fh)
+    return files
+
+
+# all three layer types, hash + biased MoE, MTP; intermediate 48 = 1.5 FP4 blocks (a partial one)
+CFG = DSV4Config.tiny(moe_intermediate_size=48)
+
+
+@pytest.fixture(scope="module")
+def src() -> DeepseekV4ForCausalLM:
+    return random_model(CFG, seed=11)
+
+
+@pytest.fixture(scope="module")
+def shipped(src) -> tuple[dict, dict]:
+    """``src`` as DeepSeek ships V4: DeepSeek names, ue8m0 scales, FP4 experts (int8 storage)."""
+    return official_checkpoint(src, "deepseek", "ue8m0")
+
+
+def expected_model(expected: dict, dtype=torch.float32) -> DeepseekV4ForCausalLM:
+    """The model built from the dequantised values (plain ``load_state_dict``)."""
+    m = DeepseekV4ForCausalLM(CFG)
+    m.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in expected.items()},
+                      strict=True)
+    return m.eval()
+
+
+@pytest.mark.parametrize("names,scale,block,fp4_storage", [
+    ("deepseek", "ue8m0", (128, 128), torch.int8),  # DeepSeek-V4 as shipped
+    ("hf", "float", (48, 40), FP4X2),  # HF names, fp32 scales, a block that leaves partial edges
+])  # fmt: skip
+def test_official_checkpoint_loads_the_dequantised_weights(src, tmp_path, names, scale, block, fp4_storage) -> None:
+    tensors, expected = official_checkpoint(src, names, scale, block, fp4_storage=fp4_storage)
+    files = write_checkpoint(tmp_path, CFG, tensors, n_shards=3, weight_block_size=list(block),
+                             scale_fmt="ue8m0" if scale == "ue8m0" else "float", expert_dtype="fp4")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) == 3
+    if names == "deepseek":  # one layer's experts span several shards, and scales sit apart from weights
+        assert len({f for k, f in index.items() if k.startswith("layers.2.ffn.experts.")}) == 3
+        assert index["layers.0.attn.wq_a.scale"] != index["layers.0.attn.wq_a.weight"]
+        assert tensors["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+        assert tensors["layers.0.ffn.experts.0.w2.weight"].shape == (64, 24)  # [D, I/2] packed
+    else:
+        assert tensors["model.layers.2.mlp.experts.gate_up_proj"].dtype == FP4X2
+    loaded = dsv4_ops.load_pretrained(tmp_path, dtype=torch.float32)
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert got[k].dtype == src.state_dict()[k].dtype, k
+        assert torch.equal(got[k], v.to(got[k].dtype)), k  # exact: ue8m0 in fp32, fp32 scales rounded once
+    want = expected_model(expected)
+    ids = torch.randint(0, CFG.vocab_size, (2, 37))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), want(ids))
+
+
+def test_bf16_load_rounds_each_dequantised_value_once(shipped, tmp_path) -> None:
+    tensors, expected = shipped
+    write_checkpoint(tmp_path, CFG, tensors, n_shards=3, scale_fmt="ue8m0", expert_dtype="fp4")
+    loaded = dsv4_ops.load_pretrained(tmp_path, dtype=torch.bfloat16)
+    dtypes = {k: t.dtype for k, t in DeepseekV4ForCausalLM(CFG, dtype=torch.bfloat16, device="meta").state_dict().items()}
+    for k, v in loaded.state_dict().items():
+        assert v.dtype == dtypes[k], k  # bf16, except the fp32-only parameters
+        assert torch.equal(v, expected[k].to(torch.float32).to(v.dtype)), k  # ue8m0: exact in fp32, one rounding
+
+
+def test_fp8_experts_of_a_base_checkpoint_load_too(src, tmp_path) -> None:
+    tensors, expected = official_checkpoint(src, "deepseek", "ue8m0", experts="fp8")
+    assert tensors["layers.0.ffn.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
+    write_checkpoint(tmp_path, CFG, tensors, scale_fmt="ue8m0", expert_dtype="fp8")
+    got = dsv4_ops.load_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(got[k], v.to(got[k].dtype)) for k, v in expected.items())
+
+
+def test_load_builds_on_meta_without_random_init_and_materialises_everything(shipped, tmp_path) -> None:
+    tensors, expected = shipped
+    write_checkpoint(tmp_path, CFG, tensors, n_shards=3, scale_fmt="ue8m0")
+    rng = torch.random.get_rng_state()
+    loaded = dsv4_ops.load_pretrained(tmp_path, max_positions=512)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # not one random number drawn: no init ran
+    every = [*loaded.named_parameters(), *loaded.named_buffers()]
+    assert all(t.device.type == "cpu" for _, t in every), [n for n, t in every if t.device.type != "cpu"]
+    fresh = DeepseekV4ForCausalLM(CFG, max_positions=512)  # RoPE tables (non-persistent) recomputed
+    for (n, b), (_, ref) in zip(loaded.named_buffers(), fresh.named_buffers()):
+        if n.endswith((".cos", ".sin")):
+            assert torch.equal(b, ref), n
+    # without MTP tensors the MTP block is initialised (that alone draws random numbers)
+    no_mtp = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    write_checkpoint(tmp_path, CFG, no_mtp, n_shards=1, scale_fmt="ue8m0")
+    for f in os.listdir(tmp_path):
+        if f.startswith("model-") or f.endswith("index.json"):
+            os.remove(tmp_path / f)
+    m = dsv4_ops.load_pretrained(tmp_path)
+    assert not any(t.is_meta for t in m.parameters())
+    assert torch.equal(m.model.layers[1].self_attn.q_a_proj.weight, expected["model.layers.1.self_attn.q_a_proj.weight"].float())
