@@ -376,11 +376,14 @@ def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], devi
         with safe_open(os.path.join(path, file), framework="pt") as f:
             handles = {file: f}
             for p in by_file[file]:
-                w = _read(handles, path, p.w).to(device)
+                raw = _read(handles, path, p.w)
                 s = None if p.scale is None else _read(handles, path, p.scale).to(device)
-                dtype = want[p.target].dtype
-                value = _decode(p, w, s, dtype, q)
-                del w, s
+                value = _decode(p, raw.to(device), s, want[p.target].dtype, q)
+                if value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+                    # a tensor read from the memory-mapped shard: keeping it would keep every
+                    # page of the shard that this load touched resident, so own a copy
+                    value = value.clone()
+                del raw, s
                 if p.expert is None:
                     out[p.target] = value
                     continue
@@ -435,8 +438,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
 
     Memory: the model is built on the meta device (no random init), then the checkpoint is
     read one shard at a time straight into tensors on ``device``; host memory peaks at about
-    one shard (plus one tensor's decode temporaries) beyond the model itself (on a CPU
-    target, unconverted tensors stay memory-mapped from the file).
+    one shard (plus one tensor's decode temporaries) beyond the model itself; no tensor keeps
+    a shard's memory map alive.
 
     MTP tensors (``mtp.0.*``, DeepSeek or dsv4_ops names; see ``model/mtp.py`` for the
     mapping) load into ``model.mtp``; a checkpoint without any keeps a freshly initialised

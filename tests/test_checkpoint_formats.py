@@ -429,3 +429,79 @@ def test_load_builds_on_meta_without_random_init_and_materialises_everything(shi
     m = dsv4_ops.load_pretrained(tmp_path)
     assert not any(t.is_meta for t in m.parameters())
     assert torch.equal(m.model.layers[1].self_attn.q_a_proj.weight, expected["model.layers.1.self_attn.q_a_proj.weight"].float())
+
+
+# --------------------------------------------------------------------------------------
+# streaming: peak host memory
+# --------------------------------------------------------------------------------------
+# ~125 M parameters: a 72 MiB FP8 / FP4 checkpoint in 8 shards that loads to a 251 MiB bf16 model
+BIG = DSV4Config.tiny(hidden_size=256, q_lora_rank=128, o_lora_rank=128, vocab_size=4096, n_routed_experts=128,
+                      moe_intermediate_size=256)
+
+
+def random_official_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random codes in the official layout for every tensor of ``cfg`` (no model needed)."""
+    g = torch.Generator().manual_seed(seed)
+    e8m0 = lambda shape: torch.randint(120, 130, shape, dtype=torch.uint8, generator=g).view(E8M0)  # noqa: E731
+    out = {}
+    for name, t in DeepseekV4ForCausalLM(cfg, device="meta").state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix = deepseek_name(name.rsplit(".", 3)[0] + ".mlp.gate.weight").rsplit(".", 2)[0] + ".experts"
+            E, rows, K = t.shape
+            for e in range(E):
+                for w in (("w2",) if name.endswith("down_proj") else ("w1", "w3")):
+                    n = rows if w == "w2" else rows // 2
+                    out[f"{prefix}.{e}.{w}.weight"] = torch.randint(-128, 128, (n, K // 2), dtype=torch.int8, generator=g)
+                    out[f"{prefix}.{e}.{w}.scale"] = e8m0((n, math.ceil(K / 32)))
+            continue
+        key = deepseek_name(name)
+        if name.endswith(FP8_LINEARS):
+            out[key] = random_fp8(t.shape, g)
+            out[key[: -len("weight")] + "scale"] = e8m0((math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128)))
+        elif name.endswith("tid2eid"):
+            out[key] = torch.randint(0, cfg.n_routed_experts, t.shape, dtype=torch.int32, generator=g)
+        else:
+            out[key] = torch.randn(t.shape, generator=g).to(torch.bfloat16 if name.endswith(BF16_TENSORS) else t.dtype)
+    return out
+
+
+MEASURE = textwrap.dedent("""
+    import json, os, resource, sys, time
+    import torch, safetensors, dsv4_ops
+    from transformers import DeepseekV4Config
+    DeepseekV4Config.from_pretrained(sys.argv[1])  # imports done before measuring
+    torch.set_num_threads(1)  # the CI box has 2 shared cores: threads would only wait for each other
+
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before, t0 = rss(), time.perf_counter()
+    model = dsv4_ops.load_pretrained(sys.argv[1], dtype=torch.bfloat16)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(json.dumps(dict(before=before, peak=peak, model_bytes=model_bytes, seconds=seconds)))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_load_streams_shard_by_shard_with_bounded_peak_memory(tmp_path) -> None:
+    """Peak RSS during ``load_pretrained`` - RSS before <= model bytes + 2 shards + 24 MiB slack
+    (allocator, one tensor's decode temporaries). Reading every shard first would need the whole
+    checkpoint (72 MiB) on top of the model: 23 MiB over the bound."""
+    files = write_checkpoint(tmp_path, BIG, random_official_tensors(BIG), n_shards=8, interleave=False,
+                             scale_fmt="ue8m0", expert_dtype="fp4")
+    sizes = [os.path.getsize(tmp_path / f) for f in files]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    extra = r["peak"] - r["before"]
+    bound = r["model_bytes"] + 2 * max(sizes) + 24 * 2**20
+    print(f"load_pretrained: {sum(sizes) / 2**20:.1f} MiB in {len(sizes)} shards (max {max(sizes) / 2**20:.1f}) -> "
+          f"{r['model_bytes'] / 2**20:.1f} MiB bf16 model in {r['seconds']:.2f} s; peak RSS +{extra / 2**20:.1f} MiB "
+          f"(bound {bound / 2**20:.1f}, all shards at once {(r['model_bytes'] + sum(sizes)) / 2**20:.1f})")
+    assert extra <= bound
+    assert r["model_bytes"] + sum(sizes) > bound  # the bound tells streaming from reading it all
