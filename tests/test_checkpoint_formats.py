@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 import dsv4_ops  # noqa: E402
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config  # noqa: E402
@@ -394,7 +394,8 @@ def test_bf16_load_rounds_each_dequantised_value_once(shipped, tmp_path) -> None
     tensors, expected = shipped
     write_checkpoint(tmp_path, CFG, tensors, n_shards=3, scale_fmt="ue8m0", expert_dtype="fp4")
     loaded = dsv4_ops.load_pretrained(tmp_path, dtype=torch.bfloat16)
-    dtypes = {k: t.dtype for k, t in DeepseekV4ForCausalLM(CFG, dtype=torch.bfloat16, device="meta").state_dict().items()}
+    meta = DeepseekV4ForCausalLM(CFG, dtype=torch.bfloat16, device="meta")
+    dtypes = {k: t.dtype for k, t in meta.state_dict().items()}
     for k, v in loaded.state_dict().items():
         assert v.dtype == dtypes[k], k  # bf16, except the fp32-only parameters
         assert torch.equal(v, expected[k].to(torch.float32).to(v.dtype)), k  # ue8m0: exact in fp32, one rounding
@@ -428,7 +429,8 @@ def test_load_builds_on_meta_without_random_init_and_materialises_everything(shi
             os.remove(tmp_path / f)
     m = dsv4_ops.load_pretrained(tmp_path)
     assert not any(t.is_meta for t in m.parameters())
-    assert torch.equal(m.model.layers[1].self_attn.q_a_proj.weight, expected["model.layers.1.self_attn.q_a_proj.weight"].float())
+    want = expected["model.layers.1.self_attn.q_a_proj.weight"].float()
+    assert torch.equal(m.model.layers[1].self_attn.q_a_proj.weight, want)
 
 
 # --------------------------------------------------------------------------------------
@@ -451,7 +453,8 @@ def random_official_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.T
             for e in range(E):
                 for w in (("w2",) if name.endswith("down_proj") else ("w1", "w3")):
                     n = rows if w == "w2" else rows // 2
-                    out[f"{prefix}.{e}.{w}.weight"] = torch.randint(-128, 128, (n, K // 2), dtype=torch.int8, generator=g)
+                    codes = torch.randint(-128, 128, (n, K // 2), dtype=torch.int8, generator=g)
+                    out[f"{prefix}.{e}.{w}.weight"] = codes
                     out[f"{prefix}.{e}.{w}.scale"] = e8m0((n, math.ceil(K / 32)))
             continue
         key = deepseek_name(name)
@@ -505,3 +508,74 @@ def test_load_streams_shard_by_shard_with_bounded_peak_memory(tmp_path) -> None:
           f"(bound {bound / 2**20:.1f}, all shards at once {(r['model_bytes'] + sum(sizes)) / 2**20:.1f})")
     assert extra <= bound
     assert r["model_bytes"] + sum(sizes) > bound  # the bound tells streaming from reading it all
+
+
+# --------------------------------------------------------------------------------------
+# bad checkpoints: a ValueError naming the tensor and its shard, or the config field
+# --------------------------------------------------------------------------------------
+def _drop(*keys):
+    return lambda t: [t.pop(k) for k in keys]
+
+
+def _set(key, value):
+    return lambda t: t.__setitem__(key, (value(t.get(key)) if callable(value) else value).contiguous())
+
+
+NAN_SCALE = torch.tensor([[127, 255]], dtype=torch.uint8).view(E8M0)
+BROKEN = {
+    "missing tensor": (_drop("layers.1.attn.wq_a.weight", "layers.1.attn.wq_a.scale"), {},
+                       r"lacks 1 parameters.*'model\.layers\.1\.self_attn\.q_a_proj\.weight'"),
+    "extra tensor": (_set("layers.0.attn.bogus.weight", torch.ones(2)), {},
+                     r"1 checkpoint tensors have no dsv4_ops counterpart.*'layers\.0\.attn\.bogus\.weight' "
+                     r"\(in model-0000"),
+    "mis-shaped tensor": (_set("layers.0.attn_norm.weight", torch.ones(63)), {},
+                          r"'layers\.0\.attn_norm\.weight' \(in model-\d+-of-00003\.safetensors\) has shape \[63\], "
+                          r"expected \[64\]"),
+    "mis-shaped FP8 weight": (_set("layers.0.attn.wq_a.weight", lambda w: w[:31]), {},
+                              r"'layers\.0\.attn\.wq_a\.weight' .* has shape \[31, 64\], expected \[32, 64\]"),
+    "mis-shaped FP4 weight": (_set("layers.2.ffn.experts.3.w2.weight", lambda w: w[:, :20]), {},
+                              r"'layers\.2\.ffn\.experts\.3\.w2\.weight' .* shape \[64, 20\], expected \[64, 24\]"),
+    "FP8 scale shape": (_set("layers.0.attn.wq_b.scale", lambda s: s[:1]), {},
+                        r"scale 'layers\.0\.attn\.wq_b\.scale' \(in model-.*\) of 'layers\.0\.attn\.wq_b\.weight' has "
+                        r"shape \[1, 1\], expected \[2, 1\]"),
+    "FP4 scale shape": (_set("layers.2.ffn.experts.3.w2.scale", lambda s: s[:, :1]), {},
+                        r"scale 'layers\.2\.ffn\.experts\.3\.w2\.scale' .* shape \[64, 1\], expected \[64, 2\]"),
+    "FP8 weight without scale": (_drop("layers.0.attn.wo_b.scale"), {},
+                                 r"'layers\.0\.attn\.wo_b\.weight' .* is FP8 \(float8_e4m3fn\) but has no scale"),
+    "unknown weight dtype": (_set("layers.0.attn.wq_a.weight", lambda w: w.view(torch.float8_e5m2)), {},
+                             r"'layers\.0\.attn\.wq_a\.weight' .* has a scale .* but dtype torch\.float8_e5m2"),
+    "packed weight without scale": (_drop("layers.2.ffn.experts.0.w1.scale"), {},
+                                    r"'layers\.2\.ffn\.experts\.0\.w1\.weight' .* has dtype torch\.int8"),
+    "unknown scale dtype": (_set("layers.0.attn.wq_a.scale", lambda s: s.float().half()), {},
+                            r"scale 'layers\.0\.attn\.wq_a\.scale' .* has dtype torch\.float16"),
+    "NaN scale": (_set("layers.0.attn.wq_b.scale", NAN_SCALE.view(2, 1)), {},
+                  r"'layers\.0\.attn\.wq_b\.weight' .*: ue8m0 scale has the NaN code 0xFF"),
+    "missing expert": (_drop("layers.2.ffn.experts.5.w3.weight", "layers.2.ffn.experts.5.w3.scale"), {},
+                       r"layers\.2\.mlp\.experts needs w3 for experts 0\.\.7 .*found w3 for \[0, 1, 2, 3, 4, 6, 7\]"),
+    "expert out of range": (_set("layers.2.ffn.experts.8.w2.weight", lambda _: torch.ones(1)), {},
+                            r"'layers\.2\.ffn\.experts\.8\.w2\.weight' .* names expert 8, but the config has "
+                            r"8 experts"),
+    "unknown quant_method": (None, {"quant_method": "gptq"},
+                             r"quantization_config\.quant_method = 'gptq' is not supported"),
+    "unknown scale_fmt": (None, {"scale_fmt": "ue4m3"}, r"quantization_config\.scale_fmt = 'ue4m3' is not supported"),
+    "unknown fmt": (None, {"fmt": "e5m2"}, r"quantization_config\.fmt = 'e5m2' is not supported"),
+    "bad block size": (None, {"weight_block_size": [128]}, r"quantization_config\.weight_block_size = \[128\]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_bad_checkpoint_is_rejected_with_the_tensor_or_field_named(shipped, tmp_path, case) -> None:
+    edit, quant, message = BROKEN[case]
+    tensors = dict(shipped[0])
+    if edit is not None:
+        edit(tensors)
+    write_checkpoint(tmp_path, CFG, tensors, n_shards=3, **{"scale_fmt": "ue8m0", **quant})
+    with pytest.raises(ValueError, match=message):
+        dsv4_ops.load_pretrained(tmp_path)
+
+
+def test_an_index_naming_a_missing_shard_is_rejected(shipped, tmp_path) -> None:
+    files = write_checkpoint(tmp_path, CFG, dict(shipped[0]), n_shards=3, scale_fmt="ue8m0")
+    os.remove(tmp_path / files[1])
+    with pytest.raises(ValueError, match=f"shard {files[1]} .* is missing"):
+        dsv4_ops.load_pretrained(tmp_path)
