@@ -292,7 +292,8 @@ def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantCon
         if id(e) in used_scales:
             continue
         name = _target_name(key)
-        if name.startswith("mtp.") and int(name.split(".")[1]) >= n_mtp:
+        mtp = re.match(r"mtp\.(\d+)\.", name)
+        if mtp and int(mtp[1]) >= n_mtp:
             continue  # MTP layers beyond the one block we build
         m = _EXPERT.match(name)
         if m:
@@ -361,7 +362,7 @@ def _decode(p: _Piece, w: torch.Tensor, s: torch.Tensor | None, dtype: torch.dty
 
 
 def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], device: torch.device,
-            q: QuantConfig) -> dict[str, torch.Tensor]:
+            q: QuantConfig, n_experts: int) -> dict[str, torch.Tensor]:
     """Read the checkpoint one shard at a time, straight into tensors on ``device``: whole
     parameters as decoded (no further copy), per-expert pieces into fused parameters
     allocated once. Only the open shard's tensors (and one tensor's decode temporaries) are
@@ -379,6 +380,10 @@ def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], devi
                 raw = _read(handles, path, p.w)
                 s = None if p.scale is None else _read(handles, path, p.scale).to(device)
                 value = _decode(p, raw.to(device), s, want[p.target].dtype, q)
+                if p.target.endswith("tid2eid") and bool(((value < 0) | (value >= n_experts)).any()):
+                    # hash-routing ids index the experts: out of range would read past them
+                    raise ValueError(f"load_pretrained: {p.w.where()} holds expert ids outside "
+                                     f"[0, {n_experts})")
                 if value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
                     # a tensor read from the memory-mapped shard: keeping it would keep every
                     # page of the shard that this load touched resident, so own a copy
@@ -471,7 +476,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         missing = [k for k in missing if not k.startswith("mtp.")]
     if missing:
         raise ValueError(f"load_pretrained: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
-    tensors = _stream(path, pieces, want, device, q)
+    tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts)
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False, assign=True))

@@ -555,6 +555,8 @@ BROKEN = {
     "expert out of range": (_set("layers.2.ffn.experts.8.w2.weight", lambda _: torch.ones(1)), {},
                             r"'layers\.2\.ffn\.experts\.8\.w2\.weight' .* names expert 8, but the config has "
                             r"8 experts"),
+    "hash ids out of range": (_set("layers.0.ffn.gate.tid2eid", lambda t: t.clone().fill_(8)), {},
+                              r"'layers\.0\.ffn\.gate\.tid2eid' .* holds expert ids outside \[0, 8\)"),
     "unknown quant_method": (None, {"quant_method": "gptq"},
                              r"quantization_config\.quant_method = 'gptq' is not supported"),
     "unknown scale_fmt": (None, {"scale_fmt": "ue4m3"}, r"quantization_config\.scale_fmt = 'ue4m3' is not supported"),
@@ -579,3 +581,21 @@ def test_an_index_naming_a_missing_shard_is_rejected(shipped, tmp_path) -> None:
     os.remove(tmp_path / files[1])
     with pytest.raises(ValueError, match=f"shard {files[1]} .* is missing"):
         dsv4_ops.load_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------------------
+# from_hf: one copy of the weights
+# --------------------------------------------------------------------------------------
+def test_from_hf_shares_the_hf_tensors_when_dtype_and_device_match() -> None:
+    from hf_util import make_hf
+
+    hf = make_hf(DSV4Config.tiny(num_hidden_layers=2), seed=3)
+    rng = torch.random.get_rng_state()
+    ours = dsv4_ops.from_hf(hf)
+    hf_sd, sd = hf.state_dict(), ours.state_dict()
+    shared = [k for k in hf_sd if sd[k].data_ptr() == hf_sd[k].data_ptr()]
+    assert len(shared) == len(hf_sd)  # every weight aliases HF's: no second copy
+    assert not torch.equal(torch.random.get_rng_state(), rng)  # only the MTP block (HF has none) was initialised
+    assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
+    bf16 = dsv4_ops.from_hf(hf, dtype=torch.bfloat16)  # another dtype: cast copies, HF untouched
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16 and hf.model.embed_tokens.weight.dtype == torch.float32
