@@ -92,7 +92,7 @@ _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weig
 
 def _target_name(key: str) -> str:
     """A checkpoint tensor name (DeepSeek or HF) -> its HF / dsv4_ops name; per-expert
-    ``...experts.N.wK.weight`` keep that suffix (``_expert`` splits it)."""
+    ``...experts.N.wK.weight`` keep that suffix (``_EXPERT`` matches them)."""
     name = key[len("model."):] if key.startswith("model.") else key
     mtp = _MTP_OWN.match(name)
     if mtp:  # the MTP block's own tensors: enorm, hnorm, e_proj, h_proj, norm, hc_head_*
@@ -128,11 +128,18 @@ class _Entry:
         return f"{self.key!r} (in {self.file})"
 
 
-def _shard_files(path: str) -> list[str]:
+def _weight_map(path: str) -> dict[str, str] | None:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        return json.load(f)["weight_map"]
+
+
+def _shard_files(path: str) -> list[str]:
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -161,6 +168,10 @@ def _catalogue(path: str) -> dict[str, _Entry]:
                 if key in entries:
                     raise ValueError(f"load_pretrained: tensor {key!r} is in both {entries[key].file} and {name}")
                 entries[key] = _Entry(key, name, dtype, shape)
+    for key, name in (_weight_map(path) or {}).items():
+        if key not in entries:
+            raise ValueError(f"load_pretrained: model.safetensors.index.json puts {key!r} in {name}, "
+                             "but no shard holds it")
     return entries
 
 
@@ -311,6 +322,8 @@ def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantCon
             shape = (span[1] - span[0], *full.shape[2:])
             kind = _format(e, scales.get(key), full, shape, q)
             seen = experts.setdefault((target, m["w"]), {})
+            if idx in seen:
+                raise ValueError(f"load_pretrained: {seen[idx].where()} and {e.where()} are the same expert weight")
             seen[idx] = e
             pieces.append(_Piece(e, scales.get(key), kind, target, idx, span))
             continue

@@ -576,8 +576,13 @@ def test_a_bad_checkpoint_is_rejected_with_the_tensor_or_field_named(shipped, tm
         dsv4_ops.load_pretrained(tmp_path)
 
 
-def test_an_index_naming_a_missing_shard_is_rejected(shipped, tmp_path) -> None:
+def test_an_index_naming_a_missing_shard_or_tensor_is_rejected(shipped, tmp_path) -> None:
     files = write_checkpoint(tmp_path, CFG, dict(shipped[0]), n_shards=3, scale_fmt="ue8m0")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.0.attn.extra.weight"] = files[0]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"index.json puts 'layers.0.attn.extra.weight' in {files[0]}, but no shard"):
+        dsv4_ops.load_pretrained(tmp_path)
     os.remove(tmp_path / files[1])
     with pytest.raises(ValueError, match=f"shard {files[1]} .* is missing"):
         dsv4_ops.load_pretrained(tmp_path)
@@ -598,4 +603,5 @@ def test_from_hf_shares_the_hf_tensors_when_dtype_and_device_match() -> None:
     assert not torch.equal(torch.random.get_rng_state(), rng)  # only the MTP block (HF has none) was initialised
     assert not any(t.is_meta for t in [*ours.parameters(), *ours.buffers()])
     bf16 = dsv4_ops.from_hf(hf, dtype=torch.bfloat16)  # another dtype: cast copies, HF untouched
-    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16 and hf.model.embed_tokens.weight.dtype == torch.float32
+    assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert hf.model.embed_tokens.weight.dtype == torch.float32
