@@ -1,17 +1,21 @@
 """Checkpoints on disk: ``load_pretrained`` builds a dsv4_ops model from a checkpoint directory
-(HF or DeepSeek tensor names)."""
+(HF or DeepSeek tensor names; bf16 / fp32, FP8 block-scaled and FP4 weights), streaming it
+shard by shard onto the target device."""
 from __future__ import annotations
 
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
+from . import quant_formats as qf
 from .config import DSV4Config
-from .model.model import DeepseekV4ForCausalLM
+from .model.model import DeepseekV4ForCausalLM, _cast_non_fp32_params, _rope
+from .model.mtp import MTPBlock
 
-__all__ = ["load_pretrained", "check_load"]
+__all__ = ["load_pretrained", "check_load", "finish_meta_model", "QuantConfig"]
 
 
 def check_load(where: str, model, result) -> None:
@@ -83,53 +87,348 @@ _MTP_OWN = re.compile(r"^(?P<prefix>mtp\.\d+\.)(?P<rest>(?:enorm|hnorm|e_proj|h_
 _MTP_HEAD = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
 
 
-def _convert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors (DeepSeek or HF names) -> HF-named state dict, experts fused."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for key, t in tensors.items():
-        name = key[len("model."):] if key.startswith("model.") else key
-        mtp = _MTP_OWN.match(name)
-        if mtp:  # the MTP block's own tensors: enorm, hnorm, e_proj, h_proj, norm, hc_head_*
-            out[mtp["prefix"] + _MTP_HEAD.get(mtp["rest"], mtp["rest"])] = t
-            continue
-        for pattern, target in _RENAMES:  # main layers and the MTP block's decoder layer alike
-            name = pattern.sub(target, name, count=1)
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m["prefix"], {}).setdefault(m["w"], {})[int(m["e"])] = t
-            continue
-        out["model." + name if name.startswith(_TOP_LEVEL) else name] = t
-    for prefix, ws in experts.items():
-        n = 1 + max(max(d) for d in ws.values())
-        for w, d in ws.items():
-            if sorted(d) != list(range(n)) or len(ws) != 3:
-                raise ValueError(f"load_pretrained: {prefix} needs w1, w2 and w3 for experts 0..{n - 1}; "
-                                 f"found {w} for {sorted(d)} (and {sorted(ws)})")
-        stack = {w: torch.stack([ws[w][e] for e in range(n)]) for w in ws}
-        name = "model." + prefix if prefix.startswith(_TOP_LEVEL) else prefix
-        out[name + ".gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)  # [E, 2I, D]: gate rows first
-        out[name + ".down_proj"] = stack["w2"]  # [E, D, I]
-    return out
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _target_name(key: str) -> str:
+    """A checkpoint tensor name (DeepSeek or HF) -> its HF / dsv4_ops name; per-expert
+    ``...experts.N.wK.weight`` keep that suffix (``_EXPERT`` matches them)."""
+    name = key[len("model."):] if key.startswith("model.") else key
+    mtp = _MTP_OWN.match(name)
+    if mtp:  # the MTP block's own tensors: enorm, hnorm, e_proj, h_proj, norm, hc_head_*
+        return mtp["prefix"] + _MTP_HEAD.get(mtp["rest"], mtp["rest"])
+    for pattern, target in _RENAMES:  # main layers and the MTP block's decoder layer alike
+        name = pattern.sub(target, name, count=1)
+    return "model." + name if name.startswith(_TOP_LEVEL) else name
 
+
+# --------------------------------------------------------------------------------------
+# the checkpoint's table of contents (safetensors headers only)
+# --------------------------------------------------------------------------------------
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
+    if hasattr(torch, _attr):
+        _ST_DTYPES[_name] = getattr(torch, _attr)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the checkpoint: where it is and what it is (read from the header)."""
+
+    key: str
+    file: str
+    dtype: torch.dtype | str  # a str when torch has no such dtype
+    shape: tuple[int, ...]  # torch's shape (F4: two values per element, as float4_e2m1fn_x2)
+
+    def where(self) -> str:
+        return f"{self.key!r} (in {self.file})"
+
+
+def _weight_map(path: str) -> dict[str, str] | None:
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        return json.load(f)["weight_map"]
+
+
+def _shard_files(path: str) -> list[str]:
+    weight_map = _weight_map(path)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"load_pretrained: no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(os.path.join(path, name)))
-    return tensors
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ValueError(f"load_pretrained: shard {name} (named in model.safetensors.index.json) is missing")
+    return files
+
+
+def _catalogue(path: str) -> dict[str, _Entry]:
+    """Every tensor's file, dtype and shape, from the safetensors headers (no data read)."""
+    from safetensors import safe_open
+
+    entries: dict[str, _Entry] = {}
+    for name in _shard_files(path):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                code, shape = sl.get_dtype(), tuple(sl.get_shape())
+                dtype = _ST_DTYPES.get(code, code)
+                if code == "F4" and shape:  # the header counts fp4 values; torch packs two per element
+                    shape = (*shape[:-1], shape[-1] // 2)
+                if key in entries:
+                    raise ValueError(f"load_pretrained: tensor {key!r} is in both {entries[key].file} and {name}")
+                entries[key] = _Entry(key, name, dtype, shape)
+    for key, name in (_weight_map(path) or {}).items():
+        if key not in entries:
+            raise ValueError(f"load_pretrained: model.safetensors.index.json puts {key!r} in {name}, "
+                             "but no shard holds it")
+    return entries
+
+
+# --------------------------------------------------------------------------------------
+# quantisation formats
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantConfig:
+    """What ``config.json``'s ``quantization_config`` declares (transformers'
+    ``FineGrainedFP8Config`` fields; DeepSeek-V4 ships ``quant_method="fp8"``, ``fmt="e4m3"``,
+    ``scale_fmt="ue8m0"``, ``weight_block_size=[128, 128]``, ``activation_scheme="dynamic"``
+    and ``expert_dtype`` ``"fp4"`` (instruct) or ``"fp8"`` (base)). Each tensor's format is
+    then read from its own dtype: the block size is the one thing only the config says."""
+
+    block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "QuantConfig":
+        qc = getattr(hf_config, "quantization_config", None)
+        if qc is None:
+            return cls()
+        if not isinstance(qc, dict):
+            qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+        where = "load_pretrained: config.json quantization_config"
+        allowed = {"quant_method": ("fp8",), "fmt": ("e4m3",), "scale_fmt": ("float", "ue8m0"),
+                   "activation_scheme": ("dynamic",), "expert_dtype": ("fp8", "fp4")}
+        for field, values in allowed.items():
+            value = qc.get(field)
+            if field == "quant_method" and value is None:
+                raise ValueError(f"{where} has no quant_method (supported: 'fp8')")
+            if value is not None and str(value).lower() not in values:
+                raise ValueError(f"{where}.{field} = {value!r} is not supported (supported: {', '.join(values)})")
+        block = qc.get("weight_block_size") or (128, 128)
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ValueError(f"{where}.weight_block_size = {block!r}: expected two positive ints")
+        return cls(tuple(block))
+
+
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+
+
+def _scales(entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """weight key -> its block-scale tensor. A scale is ``X.scale`` (DeepSeek) or
+    ``X.weight_scale_inv`` (HF) next to ``X.weight``, or ``Y_scale_inv`` next to a fused HF
+    expert tensor ``Y``; other ``*.scale`` tensors (mHC ``attn_hc.scale``) are parameters."""
+    found: dict[str, _Entry] = {}
+    for key, e in entries.items():
+        weight = None
+        for suffix in _SCALE_SUFFIXES:
+            if key.endswith(suffix) and key[: -len(suffix)] + ".weight" in entries:
+                weight = key[: -len(suffix)] + ".weight"
+        if key.endswith("_scale_inv") and key[: -len("_scale_inv")] in entries:
+            weight = key[: -len("_scale_inv")]
+        if weight is None:
+            continue
+        if weight in found:
+            raise ValueError(f"load_pretrained: weight {weight!r} has two scales, {found[weight].key!r} and {key!r}")
+        found[weight] = e
+    return found
+
+
+def _format(w: _Entry, scale: _Entry | None, target: torch.Tensor, shape: tuple[int, ...], q: QuantConfig) -> str:
+    """How to read ``w`` into a ``target``-like tensor of ``shape``: "plain", "fp8" or "fp4".
+    Checks dtypes and shapes (of the scale too) from the header; raises ``ValueError``
+    naming the tensor and its shard."""
+    where = f"load_pretrained: {w.where()}"
+    if isinstance(w.dtype, str):
+        raise ValueError(f"{where} has dtype {w.dtype}, which this torch cannot hold")
+    if scale is not None and not target.is_floating_point():
+        raise ValueError(f"{where} has a scale {scale.key!r} but loads into an integer tensor")
+    if scale is not None and scale.dtype not in qf.SCALE_DTYPES:
+        raise ValueError(f"load_pretrained: scale {scale.where()} has dtype {scale.dtype}; "
+                         "expected float32 or ue8m0 (float8_e8m0fnu / uint8)")
+    if w.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError(f"{where} is FP8 (float8_e4m3fn) but has no scale "
+                             f"({w.key[:-len('weight')] + 'scale'!r} or '...weight_scale_inv')")
+        kind, want_w, want_s = "fp8", shape, qf.fp8_scale_shape(shape, q.block)
+    elif scale is not None and w.dtype in qf.FP4_DTYPES:
+        if shape[-1] % 2:
+            raise ValueError(f"{where}: FP4 packs two values per byte, but the input dim is {shape[-1]} (odd)")
+        kind, want_w, want_s = "fp4", (*shape[:-1], shape[-1] // 2), qf.fp4_scale_shape(shape)
+    elif scale is not None:
+        raise ValueError(f"{where} has a scale {scale.key!r} but dtype {w.dtype}, which is neither FP8 "
+                         "(float8_e4m3fn) nor packed FP4 (int8 / uint8 / float4_e2m1fn_x2)")
+    elif target.is_floating_point() and w.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kind, want_w, want_s = "plain", shape, None
+    elif not target.is_floating_point() and not w.dtype.is_floating_point and w.dtype != torch.bool:
+        kind, want_w, want_s = "plain", shape, None
+    else:
+        raise ValueError(f"{where} has dtype {w.dtype}, which is not a format load_pretrained reads into a "
+                         f"{target.dtype} parameter (float32 / bfloat16 / float16, float8_e4m3fn + scale, "
+                         "packed FP4 + scale)")
+    if w.shape != tuple(want_w):
+        raise ValueError(f"{where} has shape {list(w.shape)}, expected {list(want_w)}"
+                         + (f" ({kind} packing of {list(shape)})" if kind == "fp4" else ""))
+    if want_s is not None and scale.shape != tuple(want_s):
+        raise ValueError(f"load_pretrained: scale {scale.where()} of {w.key!r} has shape {list(scale.shape)}, "
+                         f"expected {list(want_s)} (one per {'32 input values' if kind == 'fp4' else q.block} block)")
+    return kind
+
+
+# --------------------------------------------------------------------------------------
+# plan (headers only) and streaming read
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Piece:
+    """One checkpoint weight (+ its scale) and where it lands: a whole parameter, or expert
+    ``expert``'s rows ``rows`` of a fused ``[E, 2I, D]`` / ``[E, D, I]`` expert parameter."""
+
+    w: _Entry
+    scale: _Entry | None
+    kind: str  # "plain" | "fp8" | "fp4"
+    target: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantConfig,
+          n_mtp: int) -> list[_Piece]:
+    """Map every checkpoint tensor onto ``want`` (the meta model's state dict) and check
+    names, dtypes and shapes before any data is read."""
+    scales = _scales(entries)
+    used_scales = {id(s) for s in scales.values()}
+    pieces: list[_Piece] = []
+    extra: list[str] = []
+    experts: dict[tuple[str, str], dict[int, _Entry]] = {}  # (fused target, w1|w2|w3) -> expert -> entry
+    for key, e in entries.items():
+        if id(e) in used_scales:
+            continue
+        name = _target_name(key)
+        mtp = re.match(r"mtp\.(\d+)\.", name)
+        if mtp and int(mtp[1]) >= n_mtp:
+            continue  # MTP layers beyond the one block we build
+        m = _EXPERT.match(name)
+        if m:
+            target = m["prefix"] + (".down_proj" if m["w"] == "w2" else ".gate_up_proj")
+            if target not in want:
+                extra.append(e.where())
+                continue
+            full = want[target]
+            E, rows = full.shape[0], full.shape[1]
+            idx = int(m["e"])
+            if idx >= E:
+                raise ValueError(f"load_pretrained: {e.where()} names expert {idx}, but the config has {E} experts")
+            half = rows // 2
+            span = {"w1": (0, half), "w3": (half, rows), "w2": (0, rows)}[m["w"]]
+            shape = (span[1] - span[0], *full.shape[2:])
+            kind = _format(e, scales.get(key), full, shape, q)
+            seen = experts.setdefault((target, m["w"]), {})
+            if idx in seen:
+                raise ValueError(f"load_pretrained: {seen[idx].where()} and {e.where()} are the same expert weight")
+            seen[idx] = e
+            pieces.append(_Piece(e, scales.get(key), kind, target, idx, span))
+            continue
+        if name not in want:
+            extra.append(e.where())
+            continue
+        kind = _format(e, scales.get(key), want[name], tuple(want[name].shape), q)
+        pieces.append(_Piece(e, scales.get(key), kind, name))
+    if extra:
+        raise ValueError(f"load_pretrained: {len(extra)} checkpoint tensors have no dsv4_ops counterpart, "
+                         f"e.g. {extra[:5]}")
+    # fused expert parameters: every expert's w1 + w3 (gate_up) or w2 (down), exactly once
+    whole = {p.target for p in pieces if p.expert is None}
+    for target in {t for t, _ in experts}:
+        E = want[target].shape[0]
+        parts = ("w2",) if target.endswith(".down_proj") else ("w1", "w3")
+        for w in parts:
+            got = experts.get((target, w), {})
+            if target in whole or sorted(got) != list(range(E)):
+                prefix = target.rsplit(".", 1)[0]
+                raise ValueError(f"load_pretrained: {prefix} needs {w} for experts 0..{E - 1} (and no fused "
+                                 f"tensor besides); found {w} for {sorted(got)}")
+    targets = [p.target for p in pieces if p.expert is None]
+    dup = sorted({t for t in targets if targets.count(t) > 1})
+    if dup:
+        raise ValueError(f"load_pretrained: several checkpoint tensors map to {dup[:5]}")
+    return pieces
+
+
+def _read(handles: dict, path: str, e: _Entry) -> torch.Tensor:
+    from safetensors import safe_open
+
+    f = handles.get(e.file)
+    if f is not None:
+        return f.get_tensor(e.key)
+    with safe_open(os.path.join(path, e.file), framework="pt") as other:  # a scale in another shard
+        return other.get_tensor(e.key)
+
+
+def _decode(p: _Piece, w: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype, q: QuantConfig) -> torch.Tensor:
+    try:
+        if p.kind == "fp8":
+            return qf.dequantize_fp8(w, s, q.block, dtype)
+        if p.kind == "fp4":
+            return qf.dequantize_fp4(w, s, dtype)
+    except ValueError as err:
+        raise ValueError(f"load_pretrained: {p.w.where()}: {err}") from None
+    return w.to(dtype)
+
+
+def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], device: torch.device,
+            q: QuantConfig, n_experts: int) -> dict[str, torch.Tensor]:
+    """Read the checkpoint one shard at a time, straight into tensors on ``device``: whole
+    parameters as decoded (no further copy), per-expert pieces into fused parameters
+    allocated once. Only the open shard's tensors (and one tensor's decode temporaries) are
+    held beyond the model itself."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[_Piece]] = {}
+    for p in pieces:
+        by_file.setdefault(p.w.file, []).append(p)
+    for file in sorted(by_file):
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            handles = {file: f}
+            for p in by_file[file]:
+                raw = _read(handles, path, p.w)
+                s = None if p.scale is None else _read(handles, path, p.scale).to(device)
+                value = _decode(p, raw.to(device), s, want[p.target].dtype, q)
+                if p.target.endswith("tid2eid") and bool(((value < 0) | (value >= n_experts)).any()):
+                    # hash-routing ids index the experts: out of range would read past them
+                    raise ValueError(f"load_pretrained: {p.w.where()} holds expert ids outside "
+                                     f"[0, {n_experts})")
+                if value.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+                    # a tensor read from the memory-mapped shard: keeping it would keep every
+                    # page of the shard that this load touched resident, so own a copy
+                    value = value.clone()
+                del raw, s
+                if p.expert is None:
+                    out[p.target] = value
+                    continue
+                if p.target not in out:
+                    meta = want[p.target]
+                    out[p.target] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                out[p.target][p.expert, p.rows[0]:p.rows[1]].copy_(value)
+                del value
+    return out
+
+
+def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCausalLM:
+    """Complete a model built on the meta device whose weights were loaded with
+    ``assign=True``: an MTP block the source had no weights for gets a fresh (random)
+    initialisation on ``device``, the RoPE tables are computed on ``device``; then no
+    parameter or buffer may be left on meta."""
+    for i, blk in enumerate(model.mtp):
+        if all(p.is_meta for p in blk.parameters()):
+            with torch.device(device):
+                fresh = MTPBlock(model.config, _rope(model.config, 1, device))
+            _cast_non_fp32_params(fresh, model.dtype)
+            model.mtp[i] = fresh
+    model.materialize_buffers(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{len(left)} tensors of the model were not loaded, e.g. {left[:5]}")
+    return model
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
@@ -137,30 +436,61 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     """A ``dsv4_ops.DeepseekV4ForCausalLM`` from a checkpoint directory: ``config.json`` (a
     transformers ``DeepseekV4Config``) plus safetensors (one file or shards with
     ``model.safetensors.index.json``), in HF names or in DeepSeek's own names (what
-    ``DeepseekV4ForCausalLM.save_pretrained`` writes in transformers 5.x). No HF model is
-    built. ``dtype`` defaults to the config's dtype (fp32 if unset); fp32-only parameters
-    stay fp32. FP8-quantised checkpoints are not supported.
+    ``DeepseekV4ForCausalLM.save_pretrained`` writes in transformers 5.x, and the official
+    checkpoints). No HF model is built. ``dtype`` defaults to the config's dtype (fp32 if
+    unset); fp32-only parameters stay fp32. ``device`` (default CPU) is where the weights go.
+
+    Formats (``dsv4_ops/quant_formats.py`` for the exact layouts): plain fp32 / bf16 / fp16
+    tensors; FP8 ``float8_e4m3fn`` linear weights with block scales (``weight_block_size``
+    from ``quantization_config``, 128x128 officially; partial edge blocks allowed) named
+    ``X.scale`` (DeepSeek) or ``X.weight_scale_inv`` (HF), fp32 or ue8m0
+    (``float8_e8m0fnu`` / ``uint8``); FP4 e2m1 experts packed two per byte (``int8`` /
+    ``uint8`` / ``float4_e2m1fn_x2``) with one scale per 32 input values. Per-expert
+    ``experts.N.w1/w2/w3`` (which may span shards) or HF's fused ``gate_up_proj`` /
+    ``down_proj`` (+ ``..._scale_inv``).
+
+    Quantised weights are dequantised at load, to ``dtype``: each value is exact in fp32
+    (fp64 for fp32 scales), so the cast to ``dtype`` is the only rounding. The model's
+    kernels run bf16 / fp32 weights today; keeping FP8 / FP4 resident (and FP8 / FP4
+    GEMMs) is a later step that needs kernels, not a loader change.
+
+    Memory: the model is built on the meta device (no random init), then the checkpoint is
+    read one shard at a time straight into tensors on ``device``; host memory peaks at about
+    one shard (plus one tensor's decode temporaries) beyond the model itself; no tensor keeps
+    a shard's memory map alive.
 
     MTP tensors (``mtp.0.*``, DeepSeek or dsv4_ops names; see ``model/mtp.py`` for the
-    mapping) load into ``model.mtp``; a checkpoint without any keeps the MTP block's
-    initialisation, extra MTP layers (``mtp.1.*`` ...) are ignored. Raises ``ValueError`` when
-    any other parameter is missing or a tensor has no counterpart.
+    mapping) load into ``model.mtp``; a checkpoint without any keeps a freshly initialised
+    MTP block, extra MTP layers (``mtp.1.*`` ...) are ignored. Raises ``ValueError`` naming
+    the tensor (and its shard) or the config field when a parameter is missing, a tensor has
+    no counterpart, a shape / dtype / scale does not match, or the quantisation format is
+    unknown — before any weight data is read, where the headers tell.
     """
     from transformers import DeepseekV4Config
 
     path = os.fspath(path)
     hf_config = DeepseekV4Config.from_pretrained(path)
     cfg = DSV4Config.from_hf(hf_config)
+    q = QuantConfig.from_hf(hf_config)
     if dtype is None:
         dtype = getattr(hf_config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
-    tensors = _convert(_read_safetensors(path))
-    scales = [k for k in tensors if k.endswith("scale_inv") or (k.endswith(".scale") and not k.endswith("_hc.scale"))]
-    if scales:
-        raise ValueError(f"load_pretrained: FP8-quantised checkpoints are not supported (found {scales[:3]})")
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: saved once
-    model = DeepseekV4ForCausalLM(cfg, dtype=dtype, device=device, max_positions=max_positions)
-    check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False))
-    return model.eval()
+    device = torch.device(device or "cpu")
+    model = DeepseekV4ForCausalLM(cfg, dtype=dtype, device="meta", max_positions=max_positions)
+    want = model.state_dict()
+    pieces = _plan(_catalogue(path), want, q, len(model.mtp))
+    found = {p.target for p in pieces}
+    if cfg.tie_word_embeddings and "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
+        found.add("lm_head.weight")  # tied: saved once, shared below
+    missing = [k for k in want if k not in found]
+    ours_mtp = [k for k in want if k.startswith("mtp.")]
+    if ours_mtp and set(ours_mtp) <= set(missing):  # no MTP weights at all: keep an initialised block
+        missing = [k for k in missing if not k.startswith("mtp.")]
+    if missing:
+        raise ValueError(f"load_pretrained: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts)
+    if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False, assign=True))
+    return finish_meta_model(model, device).eval()

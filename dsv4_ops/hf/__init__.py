@@ -1,4 +1,5 @@
-"""transformers glue: ``from_hf`` copies an HF ``DeepseekV4ForCausalLM`` into a dsv4_ops model."""
+"""transformers glue: ``enable``/``disable`` run HF's own DeepseekV4ForCausalLM on the ops in place
+(``inplace.py``); ``from_hf`` builds a dsv4_ops model that shares an HF model's weights."""
 from __future__ import annotations
 
 import torch
@@ -12,19 +13,29 @@ __all__ = ["from_hf", "load_pretrained"]
 
 def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | None = None) -> DeepseekV4ForCausalLM:
     """A ``dsv4_ops.DeepseekV4ForCausalLM`` with the weights of a transformers
-    ``DeepseekV4ForCausalLM`` (copied; same device; big weights in ``dtype``, default the HF
-    model's dtype; fp32-only parameters stay fp32).
+    ``DeepseekV4ForCausalLM`` (same device; big weights in ``dtype``, default the HF model's
+    dtype; fp32-only parameters stay fp32).
 
-    HF transformers drops the MTP block's weights, so ``model.mtp`` keeps its initialisation
-    (speculative decoding stays exact, only acceptance suffers); ``load_pretrained`` of an
-    official checkpoint loads them. Raises ``ValueError`` if any other parameter of ours has
-    no counterpart in the HF state dict.
+    No second copy: the model is built on the meta device and every HF tensor whose dtype
+    and device already match is SHARED (``load_state_dict(..., assign=True)``), so the two
+    models alias those weights (an in-place edit of one shows in the other); the rest are
+    cast copies.
+
+    HF transformers drops the MTP block's weights, so ``model.mtp`` gets a fresh
+    initialisation (speculative decoding stays exact, only acceptance suffers);
+    ``load_pretrained`` of an official checkpoint loads them. Raises ``ValueError`` if any
+    other parameter of ours has no counterpart in the HF state dict.
     """
+    from ..checkpoint import finish_meta_model
+
     cfg = DSV4Config.from_hf(hf_model.config)
     ref = hf_model.get_input_embeddings().weight
-    model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device=ref.device, max_positions=max_positions)
-    check_load("from_hf", model, model.load_state_dict(hf_model.state_dict(), strict=False))
-    return model.eval()
+    model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device="meta", max_positions=max_positions)
+    want = model.state_dict()
+    sd = {k: v if k not in want else v.to(device=ref.device, dtype=want[k].dtype)
+          for k, v in hf_model.state_dict().items()}
+    check_load("from_hf", model, model.load_state_dict(sd, strict=False, assign=True))
+    return finish_meta_model(model, ref.device).eval()
 
 
 from .inplace import disable, enable, is_enabled  # noqa: E402

@@ -80,7 +80,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         config: a ``DSV4Config``.
         dtype: dtype of the projection / embedding / expert weights (fp32-only parameters —
             norms, mHC, sinks, position biases, router bias — stay fp32).
-        device: where to build it.
+        device: where to build it. ``"meta"`` builds it without storage or random init (what
+            ``load_pretrained`` does); then load every weight with ``load_state_dict(sd,
+            assign=True)`` and call ``materialize_buffers(device)``.
         max_positions: RoPE table length (default ``min(max_position_embeddings, 32768)``).
 
     >>> m = DeepseekV4ForCausalLM(DSV4Config.tiny())
@@ -127,7 +129,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Rebuild the shared RoPE tables for ``n`` positions (no-op if already that long)."""
         if n == self.max_positions:
             return
-        rope = _rope(self.config, n, self.device)
+        self._set_rope(n, self.device)
+
+    def materialize_buffers(self, device=None) -> None:
+        """Compute the buffers derived from the config (the RoPE tables, non-persistent, in no
+        checkpoint) on ``device`` (default: the model's). For a model built on the meta device
+        whose weights were then loaded with ``load_state_dict(..., assign=True)``."""
+        self._set_rope(self.max_positions, device or self.device)
+
+    def _set_rope(self, n: int, device) -> None:
+        rope = _rope(self.config, n, device)
         for attn in self._attention_layers():
             attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
 
