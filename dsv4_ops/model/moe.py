@@ -77,8 +77,7 @@ def grouped_mm_supported(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> 
         return False
     if gate_up_proj.shape[-1] % 8 or down_proj.shape[-1] % 8:
         return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _cuda_arch_has_grouped_mm(index)
+    return _cuda_arch_has_grouped_mm(x.device.index)  # a CUDA tensor's device always has its index
 
 
 def route_layout(indices: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
