@@ -114,10 +114,10 @@ def experts_blocked(x: Tensor, indices: Tensor, w13: Tensor, w2: Tensor, limit: 
     rows, each block one bmm against its expert's weights gathered once per block.
 
     B = ceil(N / E): while N = T*K <= E (decode) B = 1 and the blocks are exactly the routed
-    (token, expert) pairs, so only routed experts are read; at large N each expert fills about
-    N / B <= E blocks in all, so it is read at most twice and FLOPs at most double. The block count
-    is the static bound floor((N + min(E, N) * (B - 1)) / B); spare blocks repeat a routed expert
-    on a zero row and are dropped. -> [N, D] in assignment order."""
+    (token, expert) pairs, so only routed experts are read; at large N the blocks gather at most 2E
+    expert weights in all (twice the expert set, however skewed the routing) and at most 2N rows.
+    The block count is the static bound floor((N + min(E, N) * (B - 1)) / B); spare blocks repeat
+    a routed expert on a zero row and are dropped. -> [N, D] in assignment order."""
     (T, D), K, E = x.shape, indices.shape[1], w13.shape[0]
     N = T * K
     B = max(1, -(-N // E))
