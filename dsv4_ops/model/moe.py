@@ -129,13 +129,14 @@ def experts_blocked(x: Tensor, indices: Tensor, w13: Tensor, w2: Tensor, limit: 
     start = counts.cumsum(0) - counts
     rank = torch.arange(N, device=x.device) - start[sorted_e]  # place within its expert
     pos = pad_start[sorted_e] + rank  # [N] padded row of each sorted assignment
-    rows = torch.full((n_blocks * B,), T, dtype=torch.int64, device=x.device).scatter_(0, pos, order // K)
+    rows = torch.full((n_blocks, B), T, dtype=torch.int64, device=x.device)  # token of each padded row
+    rows.view(-1).scatter_(0, pos, order // K)
     blocks = torch.arange(n_blocks, device=x.device)
     block_e = torch.searchsorted(padded.cumsum(0) // B, blocks, right=True)  # expert of each block
     block_e = torch.where(block_e < E, block_e, sorted_e[-1])  # spare blocks: a routed expert, zero rows
-    xp = torch.cat([x, x.new_zeros(1, D)])[rows].view(n_blocks, B, D)  # row T is the zero row
+    xp = torch.cat([x, x.new_zeros(1, D)])[rows]  # [n_blocks, B, D]; row T is the zero row
     gate, up = torch.bmm(xp, w13[block_e].transpose(1, 2)).chunk(2, dim=-1)  # [n_blocks, B, I] each
-    y = torch.bmm(swiglu(gate, up, limit), w2[block_e].transpose(1, 2)).view(n_blocks * B, D)
+    y = torch.bmm(swiglu(gate, up, limit), w2[block_e].transpose(1, 2)).flatten(0, 1)  # [n_blocks * B, D]
     return y[pos[_inverse(order)]]
 
 

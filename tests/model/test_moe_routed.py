@@ -6,7 +6,8 @@ Specification:
   token count, when every token routes to one expert, and when a hash row names an expert twice
   (that expert counts twice);
 * it compiles with fullgraph=True and equals eager; the token count is static (one graph per
-  token count, as the Generator's buckets): replays with new tokens never recompile;
+  token count, as the Generator's buckets): replays with new tokens never recompile; with
+  dynamic=True one graph serves every T*K <= E and one every T*K > E;
 * a decode step reads only the routed experts (NaN in every other expert cannot reach the output),
   so 256 experts cost about what 8 cost at equal top-k;
 * MoE config fields HF computes differently, or not at all, are refused with the field's name;
@@ -202,6 +203,21 @@ def test_compiles_fullgraph_one_graph_per_token_count(layer_idx):
                 x, ids = inputs(T, seed=1000 * T + seed)
                 assert rel_err(compiled(x, ids), ours(x, ids)) <= RTOL
     assert counter.frame_count == 2  # one graph per token count, no recompile on replay
+
+
+def test_dynamic_token_count_needs_one_graph_per_regime():
+    # with symbolic T the layout guards only on N = T*K <= E (one row per block) or N > E
+    torch._dynamo.reset()
+    _, ours = hf_and_ours(BIASED, seed=12)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad():
+        for T in (2, 64, 7, 100, 33):  # warm-up at N = 12 <= 64 and N = 384 > 64, then 42, 600, 198
+            x, ids = inputs(T, seed=2000 + T)
+            assert rel_err(compiled(x, ids), ours(x, ids)) <= RTOL
+            if T == 64:
+                warm = counter.frame_count
+    assert counter.frame_count == warm
 
 
 # ---- cost ----------------------------------------------------------------------------------------
