@@ -20,14 +20,21 @@ the routed experts its B tokens are expected to pick (not all experts), the embe
 gathers, no MTP block -- plus each row's KV read once (window, CSA top-k entries + every visible
 indexer key, every visible HCA entry).
 
+Each decode row also has the floor of the routing the step actually did (``routed_floor_*``,
+``experts_routed``: unique (layer, expert) pairs of one eager probe of the same step, see
+``routed_floor_parts``).
+
 Config: the "bench config" (V4-Flash widths, 2 layers: HCA + CSA, 8 experts top-2; bf16, random
-weights). The default grid -- graphs at batch 1, 8, 64 x context 4K, 32K, eager and compiled at
+weights), or ``--config flash-slice`` (V4-Flash widths and layer mix in miniature: 2 sliding
+hash-MoE layers + CSA + HCA, 256 experts top-6 + 1 shared, vocab 129280, 1 MTP block; 68 GB bf16,
+drawn on the GPU in seconds; no HF points by default: HF would build it in fp32 first). The default grid -- graphs at batch 1, 8, 64 x context 4K, 32K, eager and compiled at
 1 x 4K, HF at 1 x 4K, 1 x 32K, 8 x 4K -- takes about 4-5 minutes on an H200 with cold compile
 caches (6 graphs compiles of ~20 s, 2.4M prefill tokens at batch 64, HF <= 60 s).
 
     python3 benchmarks/bench_model.py --out out/bench_model.json              # GPU box (gpu_check.sh bench)
     python3 benchmarks/bench_model.py --aoti --batches 1 8 --out out/aoti.json # AOTI (gpu_check.sh aoti)
     python3 benchmarks/bench_model.py --smoke --out /tmp/bench_model.json     # tiny config, eager, CPU: seconds
+    python3 benchmarks/bench_model.py --config flash-slice --out out/flash_slice.json   # the Flash slice
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
-from benchmarks.random_weights import bench_setup  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
 MODES = {"graphs": dict(compile=True), "compiled": dict(compile=True, cuda_graphs=False), "eager": dict(compile=False)}
 DECODE_SLACK = 256  # max_seq_len headroom past the longest context: warm-up + timed decode calls
@@ -127,6 +134,67 @@ def decode_floor_bytes(model, cfg: DSV4Config, batch: int, ctx: int) -> int:
     return floor_parts(model, cfg, batch, ctx)["total"]
 
 
+class RoutingRecorder:
+    """``with RoutingRecorder(model) as rec: <eager calls>`` -> ``rec.pairs``: the (layer, expert)
+    pairs the main model's routers picked, as a set (a hash row naming an expert twice, or two
+    tokens sharing one, read it once). Python hooks: compiled graphs and CUDA-graph replays skip
+    them, so record an eager run of the same step."""
+
+    def __init__(self, model) -> None:
+        self.routers = [layer.mlp.gate for layer in model.model.layers]
+        self.pairs: set[tuple[int, int]] = set()
+
+    def __enter__(self) -> "RoutingRecorder":
+        def hook(layer: int):
+            def record(module, args, out) -> None:
+                self.pairs.update((layer, e) for e in out[1].unique().tolist())  # out: (weights, indices)
+            return record
+
+        self.pairs = set()
+        self._handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def probe_decode_routing(model, ids: torch.Tensor, lengths: torch.Tensor) -> set[tuple[int, int]]:
+    """The (layer, expert) pairs of one eager cached decode step of ``ids [B]`` on rows at
+    ``lengths [B]`` (e.g. a Generator's ``lengths[:B]`` after its timed steps). The lengths are
+    not advanced; the step writes its KV at each row's next position, which the next real step
+    rewrites (the pool is addressed by position, DESIGN rule 3)."""
+    n_new = torch.ones_like(lengths)
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        model(ids.reshape(-1, 1), lengths.clone(), n_new, last_only=True)
+    return rec.pairs
+
+
+def routed_floor_parts(model, cfg: DSV4Config, pairs, batch: int, ctx: int, tokens_per_row: int = 1) -> dict:
+    """Bytes a step must read given the routing it did (main model; no MTP):
+
+        total = W_dense + sum over routed (l, e) of |gate_up_proj[l][e]| + |down_proj[l][e]|
+                + B*S * |embedding row| + B * KV(ctx)
+
+    ``W_dense``: every main-model parameter but the routed experts and the embedding table, once
+    (attention, shared experts, routers, norms, mHC, LM head). ``pairs``: the unique (layer,
+    expert) pairs the step's B*S tokens routed to (``probe_decode_routing`` / ``RoutingRecorder``).
+    ``KV(ctx)``: ``kv_bytes_per_row`` (window, CSA top-k entries + every visible indexer key, every
+    visible HCA entry). -> ``weights``, ``experts``, ``experts_routed``, ``embed``, ``kv``,
+    ``total``, ``floor_ms`` (at 4.3 TB/s)."""
+    embed = model.model.embed_tokens.weight
+    main = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.") and p is not embed]
+    dense = sum(p.nbytes for n, p in main if not is_routed_expert(n))
+    per_expert = [(e.gate_up_proj.nbytes + e.down_proj.nbytes) // e.gate_up_proj.shape[0]
+                  for e in (layer.mlp.experts for layer in model.model.layers)]
+    parts = dict(weights=dense, experts=sum(per_expert[layer] for layer, _ in pairs), experts_routed=len(pairs),
+                 embed=batch * tokens_per_row * embed.shape[-1] * embed.element_size(),
+                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize))
+    parts["total"] = parts["weights"] + parts["experts"] + parts["embed"] + parts["kv"]
+    parts["floor_ms"] = parts["total"] / HBM_BYTES_PER_S * 1e3
+    return parts
+
+
 # ---- engines ----------------------------------------------------------------------------------
 def aoti_api():
     """``(dsv4_ops.export, dsv4_ops.AOTIGenerator)``, or SystemExit naming what is missing."""
@@ -198,6 +266,11 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
                    warmup=args.warmup, method=t.method, floor_ms=floor["floor_ms"], floor_bytes=floor["total"],
                    experts_read=floor["experts_read"], floor_fraction=floor["floor_ms"] / t.ms,
                    first_call_s=first, context_prefill_s=ctx_prefill)
+        if hasattr(engine, "lengths"):  # a Generator: probe the routing of the same step eagerly
+            routed = routed_floor_parts(model, cfg, probe_decode_routing(model, ids, engine.lengths[:batch]),
+                                        batch, ctx)
+            row.update(experts_routed=routed["experts_routed"], routed_floor_bytes=routed["total"],
+                       routed_floor_ms=routed["floor_ms"], routed_floor_fraction=routed["floor_ms"] / t.ms)
         rows.append(row)
         log(f"  {mode} decode B={batch} ctx={ctx}: {t.ms:.3f} ms (median of {t.samples}; wall {t.wall_ms:.3f} ms/"
             f"call), floor {row['floor_ms']:.4g} ms = {row['floor_fraction']:.0%}; first call {first:.1f} s, "
@@ -248,13 +321,14 @@ def point(s: str) -> tuple[int, int]:
 def summary(results: dict) -> list[str]:
     """One markdown table: every decode row next to HF at the same point."""
     hf = {(r["batch"], r["context"]): r.get("ms") for r in results["hf"]}
-    lines = ["| mode | batch | context | ms | floor ms | floor reached | HF eager ms | vs HF |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | batch | context | ms | floor ms | floor reached | routed floor ms (experts) | HF eager ms | vs HF |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["decode"]:
         h = hf.get((r["batch"], r["context"]))
         hf_ms, vs = ("–", "–") if h is None else (f"{h:.2f}", f"{h / r['ms']:.1f}×")
+        routed = f"{r['routed_floor_ms']:.3f} ({r['experts_routed']})" if "routed_floor_ms" in r else "–"
         lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{r['floor_fraction']:.0%} | {hf_ms} | {vs} |")
+                     f"{r['floor_fraction']:.0%} | {routed} | {hf_ms} | {vs} |")
     return lines
 
 
@@ -282,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--aoti", action="store_true",
                     help="time dsv4_ops.export + dsv4_ops.AOTIGenerator instead of the Generator (no HF)")
     ap.add_argument("--aoti-dir", type=Path, default=None, help="where the .pt2 packages go (default: a temp dir)")
+    ap.add_argument("--config", choices=CONFIGS, default="bench",
+                    help="bench: the historical 2-layer 8-expert config; flash-slice: V4-Flash in miniature")
     ap.add_argument("--layers", type=int, default=2, help="main-model layers of the bench config")
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager, small grid: a seconds-long check")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
@@ -289,7 +365,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     smoke = args.smoke
     defaults = dict(batches=[1, 2] if smoke else [1, 8, 64], contexts=[40] if smoke else [4096, 32768],
                     modes=["eager"] if smoke else ["graphs"], compare_at=[] if smoke else ["1x4096"],
-                    hf_points=[] if smoke else ["1x4096", "1x32768", "8x4096"], prefill_len=24 if smoke else 4096,
+                    hf_points=[] if smoke or args.config == "flash-slice" else ["1x4096", "1x32768", "8x4096"],
+                    prefill_len=24 if smoke else 4096,
                     prefill_samples=2 if smoke else 5, warmup=1 if smoke else 5, iters=3 if smoke else 50)
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -315,7 +392,7 @@ def main(argv=None, log=None) -> dict:
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, triton=triton_version, cuda=torch.version.cuda,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), argv=sys.argv[1:] if argv is None else argv,
-                engine="aoti" if args.aoti else "generator", config="tiny" if args.smoke else "bench",
+                engine="aoti" if args.aoti else "generator", config="tiny" if args.smoke else args.config,
                 config_fields=dataclasses.asdict(cfg), dtype=str(dtype).removeprefix("torch."),
                 hbm_bytes_per_s=HBM_BYTES_PER_S, timing=TIMING, decode_warmup=args.warmup, decode_iters=args.iters,
                 prefill_samples=args.prefill_samples)

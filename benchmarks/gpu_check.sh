@@ -6,6 +6,8 @@
 #   bench   = model benchmark through the public Generator (benchmarks/bench_model.py: graphs at batch 1, 8, 64 x
 #             4K, 32K, eager + compiled at 1 x 4K, HF transformers eager; ~4-5 min cold)
 #   bench-b1 = the Generator decode row at batch 1 x 4K only (the AOTI comparison point)
+#   flash   = the same benchmark on the "Flash slice" (bench_model.py --config flash-slice: 68 GB bf16, 256 experts
+#             top-6) at batch 1, 8, 64 x 4K, eager + compiled at 1 x 4K; not yet timed on the H200
 #   aoti    = dsv4_ops.export + AOTIGenerator at batch 1 x 4K (bench_model.py --aoti; LD_PRELOAD set), then the C++
 #             runner build/dsv4_run on the same package (prefill 4K, 255 decode steps, CUDA graph), twice
 #   hf      = HF generate unpatched vs dsv4_ops.hf.enable (eager, compiled) vs Generator, B=1 and 32
@@ -51,6 +53,8 @@ for what in "$@"; do
     demo) python3 -m dsv4_ops demo --max-new-tokens 32 2>&1 | quiet | tee "$OUT/demo.log" || rc=1 ;;
     hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     bench) python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" 2>&1 | quiet | tee "$OUT/bench_model.log" || rc=1 ;;
+    flash) python3 benchmarks/bench_model.py --config flash-slice --contexts 4096 --out "$OUT/bench_flash_slice.json" \
+             2>&1 | quiet | tee "$OUT/bench_flash_slice.log" || rc=1 ;;
     bench-b1) # the Generator's CUDA-graphed decode at batch 1 x 4K only (the AOTI comparison point)
           python3 benchmarks/bench_model.py --batches 1 --contexts 4096 --compare-at --hf-points \
             --out "$OUT/bench_model_b1.json" 2>&1 | quiet | tee "$OUT/bench_model_b1.log" || rc=1 ;;
@@ -86,7 +90,7 @@ for what in "$@"; do
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|demo|bench|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|demo|bench|flash|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

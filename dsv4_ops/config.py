@@ -18,7 +18,8 @@ CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
-SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# router scoring functions HF's DeepseekV4 builds (ACT2FN[scoring_func]; it has no "softmax")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
 def _flash_layer_types(n: int) -> list[str]:
@@ -124,8 +125,7 @@ class DSV4Config:
             fail("num_attention_heads", f"must be divisible by o_groups ({self.o_groups})")
         if self.num_experts_per_tok > self.n_routed_experts:
             fail("num_experts_per_tok", f"must be <= n_routed_experts ({self.n_routed_experts})")
-        if self.scoring_func not in SCORING_FUNCS:
-            fail("scoring_func", f"must be one of {SCORING_FUNCS}")
+        self._validate_moe(fail)
 
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
             types = getattr(self, name)
@@ -145,6 +145,17 @@ class DSV4Config:
                 fail("yarn_factor", "must be > 0")
             if not self.yarn_original_max_position_embeddings > 0:
                 fail("yarn_original_max_position_embeddings", "must be > 0")
+
+    def _validate_moe(self, fail) -> None:
+        """MoE fields whose other values HF's DeepseekV4 would compute differently or not at all:
+        refuse them here rather than build a model that silently disagrees."""
+        if self.scoring_func not in SCORING_FUNCS:
+            fail("scoring_func", f"must be one of {SCORING_FUNCS} (HF's DeepseekV4 router has no other)")
+        if self.norm_topk_prob is not True:
+            fail("norm_topk_prob", "only True is supported: DeepSeek-V4 (and HF's router, whatever this "
+                                   "says) always normalises the top-k weights to sum to 1")
+        if not self.swiglu_limit > 0:
+            fail("swiglu_limit", "must be > 0 (the SwiGLU clamp; float('inf') for none)")
 
     # ----------------------------------------------------------------------------------
     # derived values
@@ -261,6 +272,7 @@ class DSV4Config:
         elif comp_type != "default":
             raise ValueError(f"rope_parameters['compress'] rope_type {comp_type!r} unsupported (default or yarn)")
 
+        _check_hf_moe(hf_config)
         rates = hf_config.compress_rates or {}
         rope_head_dim = getattr(hf_config, "qk_rope_head_dim", None)
         if rope_head_dim is None:
@@ -308,6 +320,9 @@ class DSV4Config:
         passed through, e.g. ``attn_implementation="eager"``)."""
         from transformers import DeepseekV4Config
 
+        if self.n_shared_experts != 1:
+            raise ValueError(f"DSV4Config.n_shared_experts = {self.n_shared_experts}: HF's DeepseekV4 always builds "
+                             "exactly one shared expert of width moe_intermediate_size, so only 1 converts")
         rope: dict[str, Any] = {"rope_type": "default"}
         if self.yarn_factor is not None:
             y = self.yarn()
@@ -357,3 +372,21 @@ class DSV4Config:
                 f"as HF's partial_rotary_factor (got qk_rope_head_dim {hf.qk_rope_head_dim})"
             )
         return hf
+
+
+def _check_hf_moe(hf_config: Any) -> None:
+    """HF config fields that change the MoE math but that HF's DeepseekV4 model reads differently
+    from their name (or not at all): only the values it and DeepSeek-V4 agree on convert."""
+
+    def fail(name: str, value: Any, why: str) -> None:
+        raise ValueError(f"DeepseekV4Config.{name} = {value!r}: {why}")
+
+    n_shared = getattr(hf_config, "n_shared_experts", 1)
+    if n_shared != 1:
+        fail("n_shared_experts", n_shared, "HF's DeepseekV4 ignores it and builds exactly one shared expert of "
+             "width moe_intermediate_size; only 1 is unambiguous")
+    for name, ok in (("hidden_act", ("silu",)), ("mlp_bias", (False,)), ("topk_method", (None, "noaux_tc")),
+                     ("n_group", (None, 1)), ("topk_group", (None, 1))):
+        value = getattr(hf_config, name, None)
+        if value not in ok:
+            fail(name, value, f"DeepSeek-V4's MoE uses {ok[-1]!r} (flat top-k, SwiGLU, no biases)")

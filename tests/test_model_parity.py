@@ -257,9 +257,13 @@ def test_load_pretrained_names_a_missing_tensor(tiny: Setup, tmp_path) -> None:
 
 
 def test_unsupported_scoring_func_is_rejected() -> None:
-    # the router implements sqrt-softplus only; HF would use sigmoid here (logits differ ~25%)
-    with pytest.raises(ValueError, match="scoring_func='sigmoid'"):
-        DeepseekV4ForCausalLM(DSV4Config.tiny(scoring_func="sigmoid"))
+    # HF's DeepseekV4 router has sqrtsoftplus and sigmoid only (tests/model/test_moe_routed.py)
+    with pytest.raises(ValueError, match="scoring_func = 'softmax'"):
+        DSV4Config.tiny(scoring_func="softmax")
+    cfg = DSV4Config.tiny()
+    cfg.scoring_func = "softmax"  # edited after validation: the model still refuses it
+    with pytest.raises(ValueError, match="scoring_func='softmax'"):
+        DeepseekV4ForCausalLM(cfg)
 
 
 # --------------------------------------------------------------------------------------

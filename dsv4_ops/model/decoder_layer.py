@@ -22,6 +22,7 @@ class DecoderLayer(nn.Module):
             cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
             cfg.routed_scaling_factor, cfg.swiglu_limit,
             hash_vocab_size=cfg.vocab_size if cfg.mlp_layer_types[layer_idx] == "hash_moe" else 0,
+            n_shared=cfg.n_shared_experts, score_func=cfg.scoring_func,
         )  # fmt: skip
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

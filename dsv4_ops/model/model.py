@@ -33,6 +33,7 @@ from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
 from .hyper_connection import HyperHead
 from .mtp import MTPBlock
+from .moe import SCORE_FUNCS
 from .plan import RingSizes, StepMeta, plan_step, ring_sizes
 
 __all__ = ["DeepseekV4ForCausalLM", "DeepseekV4Model", "CacheConfig", "DEFAULT_MAX_POSITIONS"]
@@ -93,11 +94,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: DSV4Config, dtype: torch.dtype = torch.float32, device=None,
                  max_positions: int | None = None) -> None:
         super().__init__()
-        if config.scoring_func != "sqrtsoftplus":
-            # the router (model/moe.py) implements V4's sqrt-softplus only; anything else
-            # would silently give different logits from HF
+        if config.scoring_func not in SCORE_FUNCS:
+            # DSV4Config checks it too; a config edited after construction must not reach the router
             raise ValueError(f"DeepseekV4ForCausalLM: config.scoring_func={config.scoring_func!r} is not "
-                             "supported (only 'sqrtsoftplus', as DeepSeek-V4 ships)")
+                             f"supported (one of {tuple(SCORE_FUNCS)}, as HF's DeepseekV4 router)")
         self.config = config
         max_positions = max_positions or min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
         with torch.device(device or "cpu"):

@@ -1,0 +1,393 @@
+"""The routed MoE: each token runs only its top-k experts, with static shapes.
+
+Specification:
+* it equals HF transformers' DeepseekV4SparseMoeBlock (same weights, fp32, <= 1e-5) at 64 experts
+  top-6, for hash and biased-top-k layers and both router scoring functions HF builds, at any
+  token count, when every token routes to one expert, and when a hash row names an expert twice
+  (that expert counts twice);
+* it compiles with fullgraph=True and equals eager; the token count is static (one graph per
+  token count, as the Generator's buckets): replays with new tokens never recompile; with
+  dynamic=True one graph serves every T*K <= E and one every T*K > E;
+* a decode step reads only the routed experts (NaN in every other expert cannot reach the output),
+  so 256 experts cost about what 8 cost at equal top-k;
+* MoE config fields HF computes differently, or not at all, are refused with the field's name;
+* on CUDA bf16 (sm90) the torch._grouped_mm path equals the fp32 path and replays in a CUDA graph.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config
+from dsv4_ops.model import MoE
+from dsv4_ops.model.moe import Experts, Router, experts_blocked, experts_grouped_mm, grouped_mm_supported
+
+HASH, BIASED = 0, 1
+RTOL = 1e-5
+
+
+def hf_config(n_experts=64, top_k=6, scoring_func="sqrtsoftplus", **kw) -> DeepseekV4Config:
+    cfg = DeepseekV4Config(
+        vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        layer_types=["sliding_attention", "sliding_attention"], mlp_layer_types=["hash_moe", "moe"],
+        n_routed_experts=n_experts, num_experts_per_tok=top_k, routed_scaling_factor=1.5,
+        scoring_func=scoring_func, swiglu_limit=3.0, **kw,  # a low limit: random activations hit the clamp
+    )  # fmt: skip
+    cfg._experts_implementation = "eager"  # HF's reference loop over the hit experts
+    return cfg
+
+
+def ours_for(cfg: DeepseekV4Config, layer_idx: int) -> MoE:
+    is_hash = cfg.mlp_layer_types[layer_idx] == "hash_moe"
+    return MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+               cfg.routed_scaling_factor, cfg.swiglu_limit, hash_vocab_size=cfg.vocab_size if is_hash else 0,
+               score_func=cfg.scoring_func)
+
+
+def hf_and_ours(layer_idx: int, seed: int, **cfg_kw) -> tuple[nn.Module, MoE]:
+    """HF's MoE block with every parameter and buffer random, and ours loaded from its state_dict."""
+    cfg = hf_config(**cfg_kw)
+    ref = hf.DeepseekV4SparseMoeBlock(cfg, layer_idx)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if ref.is_hash:  # random ids: some rows name an expert twice
+            ref.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, ref.gate.tid2eid.shape, generator=g))
+        else:
+            ref.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.5)
+    ours = ours_for(cfg, layer_idx)
+    ours.load_state_dict(ref.state_dict())  # strict: same names, shapes and buffers
+    return ref, ours
+
+
+def inputs(T: int, seed: int, dim: int = 64, vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, dim, generator=g), torch.randint(0, vocab, (1, T), generator=g)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (ours.shape, ref.shape, ours.dtype, ref.dtype)
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def loop_reference(x, indices, weights, w13, w2, limit) -> torch.Tensor:
+    """Plain per-(token, pick) loop: the definition of the routed sum, fp64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(indices.shape[1]):
+            e = int(indices[t, k])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            h = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            out[t] += float(weights[t, k]) * (w2[e].double() @ h)
+    return out
+
+
+# ---- equals HF ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 2, 7, 64])
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_matches_hf_at_64_experts_top6(layer_idx, T):
+    ref, ours = hf_and_ours(layer_idx, seed=T)
+    x, ids = inputs(T, seed=100 + T)
+    with torch.no_grad():
+        assert rel_err(ours(x, ids), ref(x, input_ids=ids)) <= RTOL
+
+
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_sigmoid_scoring_matches_hf(layer_idx):
+    ref, ours = hf_and_ours(layer_idx, seed=3, scoring_func="sigmoid")
+    x, ids = inputs(7, seed=4)
+    with torch.no_grad():
+        assert rel_err(ours(x, ids), ref(x, input_ids=ids)) <= RTOL
+
+
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_all_tokens_routed_to_the_same_experts_matches_hf(layer_idx):
+    ref, ours = hf_and_ours(layer_idx, seed=5)
+    with torch.no_grad():
+        if layer_idx == HASH:  # every pick of every token is expert 17: one group of T*K rows
+            for m in (ref, ours):
+                m.gate.tid2eid.fill_(17)
+        else:  # a bias no score can overcome: every token picks experts 40..45
+            for m in (ref, ours):
+                m.gate.e_score_correction_bias.zero_()[40:46] = 100.0
+    x, ids = inputs(64, seed=6)
+    with torch.no_grad():
+        assert rel_err(ours(x, ids), ref(x, input_ids=ids)) <= RTOL
+        _, idx = ours.gate(x[0], ids[0])
+    assert set(idx.unique().tolist()) == ({17} if layer_idx == HASH else set(range(40, 46)))
+
+
+def test_hash_row_naming_an_expert_twice_counts_it_twice():
+    ref, ours = hf_and_ours(HASH, seed=7)
+    row = torch.tensor([9, 9, 2, 9, 30, 2])  # expert 9 three times, expert 2 twice
+    x, ids = inputs(3, seed=8)
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.gate.tid2eid[ids[0, 1]] = row
+        assert rel_err(ours(x, ids), ref(x, input_ids=ids)) <= RTOL
+        w, idx = ours.gate(x[0], ids[0])
+        assert idx[1].tolist() == row.tolist()
+        e = ours.experts
+        routed = e(x[0], idx, w)
+        expect = loop_reference(x[0], idx, w, e.gate_up_proj, e.down_proj, e.swiglu_limit)
+    torch.testing.assert_close(routed.double(), expect, rtol=1e-5, atol=1e-6)
+
+
+# ---- the two expert paths -----------------------------------------------------------------------
+@pytest.mark.parametrize("T,E,K", [(1, 64, 6), (3, 8, 2), (64, 64, 6), (5, 4, 4)])
+def test_blocked_path_equals_the_per_token_loop(T, E, K):
+    # T*K <= E: one row per block (only routed experts read); larger: blocks of ceil(T*K/E) rows
+    g = torch.Generator().manual_seed(T * 100 + E)
+    x = torch.randn(T, 16, generator=g)
+    w13, w2 = torch.randn(E, 24, 16, generator=g) * 0.3, torch.randn(E, 16, 12, generator=g) * 0.3
+    indices = torch.randint(0, E, (T, K), generator=g)
+    indices[0] = indices[0, 0]  # a row naming one expert K times
+    weights = torch.rand(T, K, generator=g)
+    y = experts_blocked(x, indices, w13, w2, 3.0).view(T, K, -1)
+    got = (y.double() * weights.double().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got, loop_reference(x, indices, weights, w13, w2, 3.0), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_mm_path_equals_blocked_path_on_cpu():
+    # the CUDA path's layout (sorted rows + offsets), run eagerly by torch's CPU _grouped_mm
+    g = torch.Generator().manual_seed(0)
+    T, E, K = 13, 16, 4
+    x = torch.randn(T, 16, generator=g)
+    w13, w2 = torch.randn(E, 64, 16, generator=g) * 0.3, torch.randn(E, 16, 32, generator=g) * 0.3
+    indices = torch.randint(0, E, (T, K), generator=g)
+    try:
+        grouped = experts_grouped_mm(x, indices, w13, w2, 3.0)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm does not run on CPU in torch {torch.__version__}: {e}")
+    torch.testing.assert_close(grouped, experts_blocked(x, indices, w13, w2, 3.0), rtol=1e-5, atol=1e-6)
+    assert not grouped_mm_supported(x, w13, w2)  # CPU / fp32 never takes it inside the model
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_reads_only_the_routed_experts(T):
+    _, ours = hf_and_ours(BIASED, seed=9)
+    x, ids = inputs(T, seed=10)
+    with torch.no_grad():
+        clean = ours(x, ids)
+        _, idx = ours.gate(x[0])
+        unrouted = torch.ones(64, dtype=torch.bool)
+        unrouted[idx.flatten()] = False
+        assert unrouted.sum() >= 64 - T * 6
+        ours.experts.gate_up_proj[unrouted] = float("nan")
+        ours.experts.down_proj[unrouted] = float("nan")
+        poisoned = ours(x, ids)
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+# ---- compile -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_compiles_fullgraph_one_graph_per_token_count(layer_idx):
+    torch._dynamo.reset()
+    _, ours = hf_and_ours(layer_idx, seed=11)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(ours, fullgraph=True, dynamic=False, backend=counter)  # a graph break raises
+    with torch.no_grad():
+        for T in (1, 64):  # one row per block, and blocks of 6 rows
+            for seed in (0, 1):  # same shape, new tokens and routing: a replay
+                x, ids = inputs(T, seed=1000 * T + seed)
+                assert rel_err(compiled(x, ids), ours(x, ids)) <= RTOL
+    assert counter.frame_count == 2  # one graph per token count, no recompile on replay
+
+
+def test_dynamic_token_count_needs_one_graph_per_regime():
+    # with symbolic T the layout guards only on N = T*K <= E (one row per block) or N > E
+    torch._dynamo.reset()
+    _, ours = hf_and_ours(BIASED, seed=12)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad():
+        for T in (2, 64, 7, 100, 33):  # warm-up at N = 12 <= 64 and N = 384 > 64, then 42, 600, 198
+            x, ids = inputs(T, seed=2000 + T)
+            assert rel_err(compiled(x, ids), ours(x, ids)) <= RTOL
+            if T == 64:
+                warm = counter.frame_count
+    assert counter.frame_count == warm
+
+
+# ---- cost ----------------------------------------------------------------------------------------
+def _median_ms(fn, runs=15) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+@pytest.mark.parametrize("T,K", [(1, 6), (4, 2)])
+def test_decode_with_256_experts_costs_about_what_8_cost(T, K):
+    # widths where the experts' bytes dominate: 256 experts are 100 MB (a dense pass would take
+    # ~30x the 8-expert time); routed, a step reads T*K experts either way
+    D, I = 256, 128
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ms = {}
+        x = torch.randn(1, T, D)
+        for E in (8, 256):
+            moe = MoE(D, I, E, K, n_shared=0).eval()
+            with torch.no_grad():
+                ms[E] = _median_ms(lambda: moe(x))
+    finally:
+        torch.set_num_threads(threads)
+    print(f"T={T} K={K}: 8 experts {ms[8]:.3f} ms, 256 experts {ms[256]:.3f} ms")
+    assert ms[256] <= 2 * ms[8], ms
+
+
+# ---- config fidelity -----------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("scoring_func", "softmax"), ("norm_topk_prob", False), ("swiglu_limit", 0.0), ("n_shared_experts", -1),
+])  # fmt: skip
+def test_config_refuses_moe_values_hf_does_not_compute(field, value):
+    with pytest.raises(ValueError, match=f"DSV4Config.{field} = {value!r}"):
+        DSV4Config.tiny(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n_shared_experts", 0), ("n_shared_experts", 2), ("hidden_act", "gelu"), ("mlp_bias", True),
+    ("topk_method", "greedy"), ("n_group", 8), ("topk_group", 4),
+])  # fmt: skip
+def test_from_hf_refuses_moe_fields_hf_ignores_or_we_lack(field, value):
+    hcfg = DSV4Config.tiny().to_hf()
+    setattr(hcfg, field, value)
+    with pytest.raises(ValueError, match=f"DeepseekV4Config.{field} = {value!r}"):
+        DSV4Config.from_hf(hcfg)
+
+
+def test_to_hf_refuses_shared_expert_counts_hf_would_ignore():
+    with pytest.raises(ValueError, match="n_shared_experts = 0"):
+        DSV4Config.tiny(n_shared_experts=0).to_hf()
+
+
+def test_router_and_model_refuse_softmax_scoring():
+    with pytest.raises(ValueError, match="score_func='softmax'"):
+        Router(16, 8, 2, score_func="softmax")
+    cfg = DSV4Config.tiny()
+    cfg.scoring_func = "softmax"
+    with pytest.raises(ValueError, match="scoring_func='softmax'"):
+        DeepseekV4ForCausalLM(cfg)
+
+
+def test_shared_experts_are_one_mlp_of_n_times_the_width():
+    one = MoE(32, 16, 8, 2, n_shared=1)
+    two = MoE(32, 16, 8, 2, n_shared=2)
+    none = MoE(32, 16, 8, 2, n_shared=0)
+    assert none.shared_experts is None and two.shared_experts.gate_proj.weight.shape == (32, 32)
+    other = copy.deepcopy(one.shared_experts)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_(0, 0.3)
+        for name, p in two.shared_experts.named_parameters():  # [a; b] rows / [a, b] columns
+            a, b = one.shared_experts.get_parameter(name), other.get_parameter(name)
+            p.copy_(torch.cat([a, b], dim=1 if name.startswith("down") else 0))
+        for m in (two, none):
+            m.gate.load_state_dict(one.gate.state_dict())
+            m.experts.load_state_dict(one.experts.state_dict())
+        x = torch.randn(1, 5, 32)
+        routed = none(x)
+        torch.testing.assert_close(two(x), routed + one.shared_experts(x) + other(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(one(x), routed + one.shared_experts(x), rtol=1e-5, atol=1e-6)
+
+
+def test_whole_model_with_sigmoid_scoring_matches_hf():
+    from tests.hf_util import hf_and_ours as model_pair, rel
+
+    ref, ours = model_pair(DSV4Config.tiny(scoring_func="sigmoid"), seed=12)
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        assert rel(ours(ids), ref(input_ids=ids).logits) <= 1e-5
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+def _cuda_moe(layer_idx: int, dtype: torch.dtype, n_experts=64, top_k=6) -> MoE:
+    torch.manual_seed(13)
+    cfg = hf_config(n_experts=n_experts, top_k=top_k)
+    moe = ours_for(cfg, layer_idx)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5)
+    return moe.cuda().to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 256])
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_cuda_bf16_grouped_mm_matches_fp32_path(layer_idx, T):
+    moe = _cuda_moe(layer_idx, torch.bfloat16)
+    x, ids = (t.cuda() for t in inputs(T, seed=14))
+    x = x.bfloat16()
+    assert grouped_mm_supported(x[0], moe.experts.gate_up_proj, moe.experts.down_proj), torch.cuda.get_device_name()
+    ref = copy.deepcopy(moe).float()  # fp32: the blocked path on the same (bf16-rounded) weights
+    with torch.no_grad():
+        got, want = moe(x, ids).float(), ref(x.float(), ids)
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= 1e-2, rel
+        # same routing, same bf16 tensors: the two expert paths agree to bf16 rounding
+        w, idx = moe.gate(x[0], ids[0])
+        e = moe.experts
+        a = experts_grouped_mm(x[0], idx, e.gate_up_proj, e.down_proj, e.swiglu_limit).float()
+        b = experts_blocked(x[0], idx, e.gate_up_proj, e.down_proj, e.swiglu_limit).float()
+        assert ((a - b).norm() / b.norm()).item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-grouped_mm", "fp32-blocked"])
+def test_cuda_graph_capture_and_replay(dtype):
+    moe = _cuda_moe(HASH, dtype, n_experts=256, top_k=6)
+    T = 8
+    x_buf = torch.randn(1, T, 64, device="cuda", dtype=dtype)
+    ids_buf = torch.randint(0, 512, (1, T), device="cuda")
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                moe(x_buf, ids_buf)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x_buf, ids_buf)
+        for seed in range(3):  # new tokens, new routing, same graph
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            x_buf.copy_(torch.randn(1, T, 64, device="cuda", generator=g))
+            ids_buf.copy_(torch.randint(0, 512, (1, T), device="cuda", generator=g))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, moe(x_buf, ids_buf))  # stale routing would be O(1) off
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_cuda_bf16_compiled_with_cuda_graphs_matches_eager(layer_idx):
+    torch._dynamo.reset()
+    moe = _cuda_moe(layer_idx, torch.bfloat16, n_experts=256, top_k=6)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(moe, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    counted = torch.compile(moe, fullgraph=True, dynamic=False, backend=counter)
+    with torch.no_grad():
+        for seed in range(3):  # the first call records, later calls replay with new routing
+            x, ids = (t.cuda() for t in inputs(4, seed=200 + seed))
+            x = x.bfloat16()
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x, ids).clone()
+            want = moe(x, ids)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(counted(x, ids), want)
+    assert counter.frame_count == 1
