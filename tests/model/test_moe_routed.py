@@ -388,6 +388,8 @@ def test_cuda_bf16_compiled_with_cuda_graphs_matches_eager(layer_idx):
             torch.compiler.cudagraph_mark_step_begin()
             got = compiled(x, ids).clone()
             want = moe(x, ids)
-            torch.testing.assert_close(got, want)
-            torch.testing.assert_close(counted(x, ids), want)
+            # Inductor fuses and rounds differently from eager in bf16 (measured: 1 bf16 ulp, 0.0078 at
+            # |y| ~ 1); stale routing from a replayed graph would be O(1) off
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(counted(x, ids), want, atol=2e-2, rtol=2e-2)
     assert counter.frame_count == 1
