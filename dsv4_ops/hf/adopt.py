@@ -9,7 +9,6 @@ exactly: original classes, original attribute values, added buffers removed.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 __all__ = ["adopt", "release", "is_adopted"]
@@ -42,14 +41,13 @@ def _check_same_tensors(hf_module: nn.Module, ours: nn.Module) -> None:
         raise TypeError(f"dsv4_ops.hf: {k} has shape {t}, the config implies {m}")
 
 
-def adopt(hf_module: nn.Module, ours: nn.Module, buffers: dict[str, torch.Tensor] | None = None) -> None:
+def adopt(hf_module: nn.Module, ours: nn.Module) -> None:
     """Turn ``hf_module`` (and each submodule ``ours`` has) into an instance of ``ours``' class.
 
-    ``buffers``: values for non-persistent buffers ``ours`` has and HF lacks (``ours`` lives on
-    the meta device, so those cannot come from it), keyed by dotted name.
+    ``ours`` is built with its parameters on the meta device; buffers it has and HF lacks
+    (non-persistent, derived from the config) must be real: they are registered on HF's module.
     """
     _check_same_tensors(hf_module, ours)
-    buffers = dict(buffers or {})
     for name, mine in ours.named_modules():
         target = hf_module.get_submodule(name) if name else hf_module
         if hasattr(target, _RECORD) or isinstance(target, type(mine)):
@@ -60,13 +58,12 @@ def adopt(hf_module: nn.Module, ours: nn.Module, buffers: dict[str, torch.Tensor
                 continue
             saved[attr] = target.__dict__.get(attr, _MISSING)
             target.__dict__[attr] = value
-        for leaf in mine._buffers:
+        for leaf, value in mine._buffers.items():
             if leaf in target._buffers:
                 continue
-            full = f"{name}.{leaf}" if name else leaf
-            if full not in buffers:
-                raise RuntimeError(f"dsv4_ops.hf: no value for the non-persistent buffer {full}")
-            target.register_buffer(leaf, buffers.pop(full), persistent=False)
+            if value is None or value.is_meta:
+                raise RuntimeError(f"dsv4_ops.hf: the buffer {name}.{leaf} of the dsv4_ops module is not materialised")
+            target.register_buffer(leaf, value, persistent=False)
             saved["buffer:" + leaf] = _MISSING
         target.__dict__[_RECORD] = (type(target), saved)
         target.__class__ = _mixed_class(type(mine), type(target))

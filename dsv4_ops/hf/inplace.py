@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..config import DSV4Config
 from ..model.attention import Attention
-from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, _rope
+from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, _rope, set_rope
 from ..model.plan import plan_step, ring_sizes
 from ..ops._validate import reads_values
 from .adopt import adopt, is_adopted, release
@@ -183,10 +183,7 @@ class HFModelOnOps(DeepseekV4Model):
         return self.layers[0].self_attn.cos.shape[0]
 
     def _dsv4_set_rope(self, n: int) -> None:
-        rope = _rope(self._dsv4_cfg, n, self.embed_tokens.weight.device)
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
+        set_rope([layer.self_attn for layer in self.layers], self._dsv4_cfg, n, self.embed_tokens.weight.device)
 
 
 # ---------------------------------------------------------------------------- enable / disable
@@ -228,21 +225,15 @@ def enable(model: nn.Module) -> nn.Module:
         return model
     cfg = DSV4Config.from_hf(base.config)
     device = base.embed_tokens.weight.device
-    with torch.device("meta"):
-        ours = DeepseekV4Model(cfg, _rope(cfg, 1, "meta"))
-    for layer in ours.layers:  # the HF call convention for attention
+    rope = _rope(cfg, min(cfg.max_position_embeddings, DEFAULT_MAX_POSITIONS), device)  # real: HF gets them
+    with torch.device("meta"):  # parameters only as a layout to adopt; HF's own are used
+        ours = DeepseekV4Model(cfg, rope)
+    for i, layer in enumerate(ours.layers):  # the attention reads its state from the step
         layer.self_attn.__class__ = HFAttentionOnOps
+        layer.self_attn.layer_idx = i
     ours.__class__ = HFModelOnOps
     ours._dsv4_cfg, ours._dsv4_rings, ours._dsv4_pool_key = cfg, ring_sizes(cfg), None
-    for i, layer in enumerate(ours.layers):
-        layer.self_attn.layer_idx = i
-    n_pos = min(cfg.max_position_embeddings, DEFAULT_MAX_POSITIONS)
-    rope = _rope(cfg, n_pos, device)
-    buffers = {}
-    for i, layer in enumerate(ours.layers):
-        cos, sin = rope["main" if layer.self_attn.ratio == 0 else "compress"]
-        buffers[f"layers.{i}.self_attn.cos"], buffers[f"layers.{i}.self_attn.sin"] = cos, sin
-    adopt(base, ours, buffers)
+    adopt(base, ours)
 
     gen = getattr(model, "generation_config", None)
     if gen is not None:

@@ -65,6 +65,13 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
 
 
+def set_rope(attentions, cfg: DSV4Config, n: int, device) -> None:
+    """Give each attention layer the shared RoPE tables of its type for ``n`` positions."""
+    rope = _rope(cfg, n, device)
+    for attn in attentions:
+        attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
+
+
 def _rope(cfg: DSV4Config, max_positions: int, device=None) -> dict[str, tuple[Tensor, Tensor]]:
     tables = {}
     for name, layer_type in (("main", "sliding_attention"), ("compress", "compressed_sparse_attention")):
@@ -138,9 +145,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self._set_rope(self.max_positions, device or self.device)
 
     def _set_rope(self, n: int, device) -> None:
-        rope = _rope(self.config, n, device)
-        for attn in self._attention_layers():
-            attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
+        set_rope(self._attention_layers(), self.config, n, device)
 
     # ------------------------------------------------------------------ caches
     def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0, mtp: bool = False,
