@@ -1,6 +1,6 @@
 """Where a step's time goes: the kernels of the public calls, grouped by name (torch.profiler).
 
-Builds the bench config (benchmarks/bench_model.py) and a ``Generator`` (compile=True, CUDA
+Builds the bench config (benchmarks/bench_model.py; ``--config flash-slice``: the Flash slice) and a ``Generator`` (compile=True, CUDA
 graphs). Plain decode: prefill ``--batch`` prompts of ``--context`` tokens, warm up, then profile
 ``--reps`` ``gen.decode(ids)`` calls: kernels per call. With ``--spec k``: a
 ``Generator(spec_steps=k)``, and the profiles of ``generate`` at two lengths are subtracted, so
@@ -8,7 +8,7 @@ the prefill's kernels cancel and what is left, divided by the step difference, i
 speculative step. Prints per step: kernel count, summed kernel time, the step's time
 (benchmarks/timing.py) -- the gap to the kernel sum is launch / host time -- and the top kernels.
 
-    python3 benchmarks/profile_step.py --batch 1 --context 4096 [--spec 3] [--out prof.json]
+    python3 benchmarks/profile_step.py --batch 1 --context 4096 [--spec 3] [--config flash-slice] [--out prof.json]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from benchmarks.bench_model import bench_config  # noqa: E402
 from benchmarks.bench_spec import step_cost  # noqa: E402
 from benchmarks.timing import time_call  # noqa: E402
 from dsv4_ops import Generator  # noqa: E402
-from benchmarks.random_weights import bench_model as random_model  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
 
 def kernels(fn) -> dict[str, list[float]]:
@@ -51,7 +51,7 @@ def table(by_name: dict[str, tuple[float, float]], step_ms: float, label: str, l
                kernel_us_per_step=sum(r["us_per_step"] for r in rows), rows=rows)
     log(f"{label}: step {step_ms * 1e3:.0f} us, {tab['kernels_per_step']:.0f} kernels, "
         f"kernel time {tab['kernel_us_per_step']:.0f} us")
-    for r in rows[:25]:
+    for r in rows[:40]:
         log(f"   {r['us_per_step']:8.1f} us  x{r['per_step']:<4.0f} {r['name'][:110]}")
     return tab
 
@@ -63,11 +63,12 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=10, help="decode calls profiled")
     ap.add_argument("--spec", type=int, default=0, help="also profile the speculative step with k drafts")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=[8, 40], metavar=("N_SHORT", "N_LONG"))
+    ap.add_argument("--config", choices=CONFIGS, default="bench")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    args.device, args.smoke, args.layers = "cuda", False, 2
     log = lambda m: print(m, flush=True)  # noqa: E731
-    cfg = bench_config()
-    model = random_model(cfg, dtype=torch.bfloat16, device="cuda")
+    _, cfg, model = bench_setup(args, "profile_step.py", bench_config)
     B, ctx = args.batch, args.context
     prompts = torch.randint(0, cfg.vocab_size, (B, ctx)).tolist()
     res = {}

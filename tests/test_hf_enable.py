@@ -126,8 +126,27 @@ def test_disable_restores_bit_identical_hf_and_enable_twice_is_harmless():
     assert {n: type(m) for n, m in hf.named_modules()} == classes
     assert not [n for n, _ in hf.named_buffers() if n.rsplit(".", 1)[-1] in ("window", "pool", "cos", "_dsv4_seen")]
     assert (hf.generation_config.cache_implementation, hf.generation_config.compile_config) == gen
+    assert not {"prepare_inputs_for_generation", "create_masks_for_generate"} & set(vars(hf))  # HF's own again
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, ref)
+
+
+def test_decode_step_inputs_are_only_the_new_token_and_the_cache():
+    """generate's per-step host work: an enabled model's decode step gets [B, 1] fresh ids, the cache
+    and the caller's flags (no position ids, no masks); a prefill still goes through HF's function."""
+    from transformers import StaticCache
+
+    cfg = CONFIGS["hc4"]
+    hf = dsv4_ops.hf.enable(make_hf(cfg, seed=7))
+    cache = StaticCache(config=hf.config, max_cache_len=64)
+    ids = torch.randint(0, cfg.vocab_size, (3, 20))
+    pos = torch.arange(20).expand(3, -1)
+    kw = dict(cache=cache, attention_mask=torch.ones_like(ids), position_ids=pos, use_cache=True)
+    step = hf.prepare_inputs_for_generation(ids, next_sequence_length=1, **kw)
+    assert sorted(step) == ["cache", "input_ids", "use_cache"] and step["cache"] is cache
+    assert torch.equal(step["input_ids"], ids[:, -1:]) and step["input_ids"].stride() == (1, 1)
+    prefill = hf.prepare_inputs_for_generation(ids, is_first_iteration=True, **kw)
+    assert torch.equal(prefill["position_ids"], pos) and prefill["input_ids"].shape == (3, 20)
 
 
 def test_enable_rejects_a_model_that_is_not_deepseek_v4():

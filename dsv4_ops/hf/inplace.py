@@ -30,6 +30,7 @@ from ..model.attention import Attention
 from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, _rope, set_rope
 from ..model.plan import plan_step, ring_sizes
 from ..ops._validate import reads_values
+from . import generate_hooks
 from .adopt import adopt, is_adopted, release
 from .static_cache import static_capacity
 
@@ -200,13 +201,6 @@ def _base_model(model: nn.Module) -> nn.Module:
                     f"got {type(model).__name__}")
 
 
-def _no_masks(*args, **kwargs) -> None:
-    """``generate`` builds a 4-D mask per layer type before every step for a static cache (three
-    ``[B, 1, S, max_cache_len]`` tensors); an enabled model addresses its pool by position and
-    derives padding from ``position_ids``, so it skips that work."""
-    return None
-
-
 def is_enabled(model: nn.Module) -> bool:
     return is_adopted(_base_model(model))
 
@@ -247,8 +241,8 @@ def enable(model: nn.Module) -> nn.Module:
             # where HF compiles the decode step (on CPU HF would only warn that it cannot); a model
             # moved to CUDA later gets HF's default CompileConfig, which our graph-break-free step also meets
             gen.compile_config = CompileConfig(fullgraph=True, dynamic=False)
-    if model is not base:  # generate: no per-step 4-D masks (the step never reads them; see _no_masks)
-        model.__dict__["create_masks_for_generate"] = _no_masks
+    if model is not base:  # generate: no per-step work the step never reads (generate_hooks.py)
+        generate_hooks.install(model)
     return model
 
 
@@ -258,7 +252,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not is_adopted(base):
         return model
     base._dsv4_clear_pool()
-    model.__dict__.pop("create_masks_for_generate", None)
+    generate_hooks.remove(model)
     gen, saved = base.__dict__.pop("_dsv4_generation_defaults", (None, None))
     if gen is not None:
         gen.cache_implementation, gen.compile_config = saved
