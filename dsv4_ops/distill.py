@@ -36,7 +36,7 @@ from .progress import Progress
 from .reference.mtp_oracle import MTP_PREFIX, mtp_forward, mtp_weights
 from .streams import main_streams
 
-__all__ = ["distill_mtp", "greedy_sequences", "PARAM_SETS"]
+__all__ = ["distill_mtp", "greedy_sequences", "init_from_last_layer", "PARAM_SETS"]
 
 # which MTP parameters to train (names without "mtp.0."); the rest of the block stays frozen
 PARAM_SETS: dict[str, Callable[[str], bool]] = {
@@ -72,11 +72,34 @@ def greedy_sequences(model, prompts: Sequence[Sequence[int]], seq_len: int, batc
     return ids, torch.tensor([len(p) for p in prompts], device=model.device)
 
 
+@torch.no_grad()
+def init_from_last_layer(model) -> None:
+    """Start the MTP block as "the main model's last layer, run one position later": its decoder
+    layer (attention projections, norms, sinks, MoE, mHC) copied from the main model's last
+    layer where names and shapes match (a compressor or hash table has no counterpart), its
+    ``hc_head`` / ``norm`` from the main model's, ``h_proj = 0`` and ``e_proj`` scaling the
+    normed embedding back to the embedding's size. At position ``t`` the block then sees token
+    ``t+1`` through the layer the main model applies to it — exact when the main model is that
+    one sliding layer, otherwise only a starting point."""
+    blk, main = model.mtp[0], model.model
+    src = dict(main.layers[-1].named_parameters()) | dict(main.layers[-1].named_buffers())
+    for name, t in [*blk.named_parameters(), *blk.named_buffers()]:
+        if name in src and src[name].shape == t.shape and name.split(".")[-1] not in ("cos", "sin"):
+            t.copy_(src[name])
+    for mine, theirs in ((blk.hc_head, main.hc_head), (blk.norm, main.norm)):
+        for (_, t), (_, u) in zip(mine.named_parameters(), theirs.named_parameters()):
+            t.copy_(u)
+    emb = main.embed_tokens.weight.float()
+    blk.enorm.weight.fill_(1.0)
+    blk.hnorm.weight.fill_(1.0)
+    blk.h_proj.weight.zero_()
+    eye = torch.eye(emb.shape[1], device=emb.device)
+    blk.e_proj.weight.copy_(eye * emb.pow(2).mean(-1).sqrt().mean())
+
+
 def _trainable(model, params) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(frozen weights by oracle name, fp32 masters of the trained ones)."""
     select = PARAM_SETS[params] if isinstance(params, str) else params
-    if isinstance(params, str) and params not in PARAM_SETS:
-        raise ValueError(f"distill_mtp: params must be one of {tuple(PARAM_SETS)} or a callable, got {params!r}")
     weights = mtp_weights(model, dtype=None)
     own = {n[len(MTP_PREFIX):]: p for n, p in model.named_parameters() if n.startswith(MTP_PREFIX)}
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in own.items() if select(n)}
@@ -85,8 +108,18 @@ def _trainable(model, params) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     return weights, masters
 
 
-def _losses(weights, masters, cfg, ids, streams, prompt_lens, recursive: float):
-    """(total loss, first-draft loss, first-draft accuracy, recursive accuracy) for one batch."""
+def _xent(logits: Tensor, target: Tensor, teacher: Tensor | None) -> Tensor:
+    """Cross-entropy against the main model's greedy tokens (``teacher`` None) or against its
+    whole next-token distribution (soft targets: the same optimum, a far richer signal, and no
+    push towards over-confident logits that would overfit a small data pool)."""
+    if teacher is None:
+        return F.cross_entropy(logits, target)
+    return -(teacher.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+
+
+def _losses(weights, masters, cfg, ids, streams, prompt_lens, recursive: float, model=None):
+    """(total loss, first-draft loss, first-draft accuracy, recursive accuracy) for one batch;
+    ``model`` given: soft targets from its logits at ``t+1``."""
     w = dict(weights)
     w.update((n, m.to(weights[n].dtype)) for n, m in masters.items())
     S = ids.shape[1]
@@ -95,9 +128,13 @@ def _losses(weights, masters, cfg, ids, streams, prompt_lens, recursive: float):
     nxt = ids[:, 1:]
     tgt = ids[:, 2:]  # what position t (0..S-3) predicts
     keep = torch.arange(2, S, device=ids.device)[None] >= prompt_lens[:, None]  # generated targets only
+    teacher = None
+    if model is not None:
+        with torch.no_grad():
+            teacher = model.logits(streams[:, 1: S - 1]).float()  # the main model at t+1 predicts t+2
     out = mtp_forward(w, cfg, X, nxt)
     logits = out.logits[:, : S - 2].float()
-    loss1 = F.cross_entropy(logits[keep], tgt[keep])
+    loss1 = _xent(logits[keep], tgt[keep], None if teacher is None else teacher[keep])
     acc1 = (logits.argmax(-1) == tgt)[keep].float().mean()
     loss, acc2 = loss1, torch.tensor(float("nan"))
     if recursive > 0:
@@ -105,16 +142,18 @@ def _losses(weights, masters, cfg, ids, streams, prompt_lens, recursive: float):
         X2 = torch.cat([out.streams[:, :1], out.streams[:, :-1]], dim=1)
         rec = mtp_forward(w, cfg, X2, nxt, past_kv=out.kv).logits[:, 1: S - 2].float()
         keep2 = keep[:, 1:]
-        loss = loss + recursive * F.cross_entropy(rec[keep2], tgt[:, 1:][keep2])
+        soft = None if teacher is None else teacher[:, 1:][keep2]
+        loss = loss + recursive * _xent(rec[keep2], tgt[:, 1:][keep2], soft)
         acc2 = (rec.argmax(-1) == tgt[:, 1:])[keep2].float().mean()
     return loss, loss1, acc1, acc2
 
 
-def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: float = 3e-3, seed: int = 0,
-                progress: bool = True, *, prompts: Sequence[Sequence[int]] | None = None, n_sequences: int | None = None,
+def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: float = 3e-4, seed: int = 0,
+                progress: bool = True, *, prompts: Sequence[Sequence[int]] | None = None,
+                n_sequences: int | None = None,
                 prompt_lengths: tuple[int, int] = (4, 24), params="all", recursive: float = 0.5,
                 weight_decay: float = 0.0, log_every: int | None = None,
-                data: tuple[Tensor, Tensor] | None = None) -> dict:
+                data: tuple[Tensor, Tensor] | None = None, init: str | None = None, loss: str = "soft") -> dict:
     """Train the MTP block of ``model`` (in place) to draft the main model's greedy tokens.
 
     Args:
@@ -133,6 +172,10 @@ def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: 
         recursive: weight of the first recursive draft position's loss (0 = off).
         data: ``(ids [n, seq_len], prompt_lens [n])`` already generated (``greedy_sequences``);
             skips generating (``prompts``, ``n_sequences`` and ``seq_len`` are then ignored).
+        loss: ``"soft"`` cross-entropy against the main model's next-token distribution at ``t+1``
+            (default), ``"hard"`` against its greedy token.
+        init: ``"last_layer"`` starts the block from the main model's last layer
+            (:func:`init_from_last_layer`); None trains the block's current weights.
 
     Returns a dict: ``steps``, ``trained_params`` (count), ``trained_names``, ``loss`` (per step),
     ``first_loss``/``final_loss`` (mean of the first / last 10 steps), ``draft_accuracy`` /
@@ -141,6 +184,12 @@ def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: 
     """
     if len(model.mtp) == 0:
         raise ValueError("distill_mtp: the model has no MTP block (config.num_nextn_predict_layers = 0)")
+    if isinstance(params, str) and params not in PARAM_SETS or not (isinstance(params, str) or callable(params)):
+        raise ValueError(f"distill_mtp: params must be one of {tuple(PARAM_SETS)} or a callable, got {params!r}")
+    if loss not in ("soft", "hard"):
+        raise ValueError(f"distill_mtp: loss must be 'soft' or 'hard', got {loss!r}")
+    if init not in (None, "last_layer"):
+        raise ValueError(f"distill_mtp: init must be None or 'last_layer', got {init!r}")
     cfg, dev = model.config, model.device
     g = torch.Generator().manual_seed(seed)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
@@ -156,6 +205,8 @@ def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: 
         streams = torch.cat([main_streams(model, ids[i:i + batch]) for i in range(0, len(ids), batch)])
     data_s = time.perf_counter() - t0
 
+    if init == "last_layer":
+        init_from_last_layer(model)
     weights, masters = _trainable(model, params)
     opt = torch.optim.AdamW(masters.values(), lr=lr, weight_decay=weight_decay)
     warm = max(1, steps // 20)
@@ -168,15 +219,16 @@ def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: 
     with Progress(f"distill_mtp: {steps} steps on {n_trained / 1e6:.2f}M MTP parameters", stream=quiet):
         for step in range(steps):
             pick = torch.randint(0, len(ids), (batch,), generator=g).to(dev)
-            loss, loss1, acc1, acc2 = _losses(weights, masters, cfg, ids[pick], streams[pick], plens[pick], recursive)
+            loss_, loss1, acc1, acc2 = _losses(weights, masters, cfg, ids[pick], streams[pick], plens[pick], recursive,
+                                              model if loss == "soft" else None)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss_.backward()
             torch.nn.utils.clip_grad_norm_(masters.values(), 1.0)
             opt.step()
             sched.step()
-            losses.append(float(loss.detach()))
+            losses.append(float(loss_.detach()))
             if (step + 1) % log_every == 0 or step == 0:
-                say(f"    step {step + 1}/{steps}: loss {losses[-1]:.3f} (draft 1: {float(loss1):.3f}), "
+                say(f"    step {step + 1}/{steps}: loss {losses[-1]:.3f} (draft 1: {float(loss1.detach()):.3f}), "
                     f"batch accuracy draft 1 {float(acc1):.2f}, recursive {float(acc2):.2f}")
     train_s = time.perf_counter() - t1
 
@@ -187,6 +239,10 @@ def distill_mtp(model, steps: int = 300, batch: int = 8, seq_len: int = 64, lr: 
         accs = [_losses(mtp_weights(model, dtype=None), {}, cfg, ids[i:i + batch], streams[i:i + batch],
                         plens[i:i + batch], 1.0)[2:] for i in range(0, len(ids), batch)]
     return dict(steps=steps, trained_params=n_trained, trained_names=sorted(masters), loss=losses,
-                first_loss=sum(losses[:10]) / len(losses[:10]), final_loss=sum(losses[-10:]) / len(losses[-10:]),
+                first_loss=_mean(losses[:10]), final_loss=_mean(losses[-10:]),
                 draft_accuracy=sum(float(a) for a, _ in accs) / len(accs),
                 recursive_accuracy=sum(float(b) for _, b in accs) / len(accs), data_s=data_s, train_s=train_s)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
