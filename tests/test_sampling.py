@@ -214,9 +214,10 @@ BAD = {
 def test_bad_keywords_raise_clear_errors(gen, greedy, case) -> None:
     kwargs, message = BAD[case]
     kwargs = {"max_new_tokens": NEW, **kwargs}
+    steps = gen.stats["prefill_steps"]
     with pytest.raises(ValueError, match=message):
         gen.generate(PROMPTS, **kwargs)
-    assert gen.generate(PROMPTS, NEW) == greedy  # still usable
+    assert gen.stats["prefill_steps"] == steps  # rejected before anything ran
 
 
 # --------------------------------------------------------------------------------------
@@ -313,12 +314,12 @@ def spec_tokens(spec_model, N: int, B: int) -> tuple[torch.Tensor, dict]:
 
 def test_speculative_sampling_keeps_the_distribution_of_plain_sampling(spec_model, monkeypatch) -> None:
     """A 1-layer model with 8 tokens, spec_steps = 2 with its (random, so often wrong) MTP
-    drafts: 8192 sampled continuations of one prompt (a 2-core CPU budget; the rule itself gets
+    drafts: 4096 sampled continuations of one prompt (a 2-core CPU budget; the rule itself gets
     40000 draws above). Tokens 1 and 2 come out of speculative steps (token 2 often from
     verifying real MTP drafts); each follows the exact distribution of plain sampling.
     Accepting every draft breaks it."""
     want = exact_marginals(spec_model, 3)
-    tokens, stats = spec_tokens(spec_model, 8192, 512)
+    tokens, stats = spec_tokens(spec_model, 4096, 512)
     assert stats["accepted_tokens"] > 0 and stats["acceptance_rate"] < 0.9  # drafts were judged, not waved through
     for j in range(3):
         assert chi_square_p(torch.bincount(tokens[:, j], minlength=8), want[j]) > P_MIN, j
