@@ -286,24 +286,21 @@ def exact_marginals(model, n: int) -> list[torch.Tensor]:
     """The exact distribution of generated tokens 0..n-1 under SPEC_SAMPLING: every path of n-1
     tokens through the cache-free model, weighted by its probability."""
     V = SPEC_CFG.vocab_size
-    paths = torch.tensor(list(itertools.product(range(V), repeat=n - 1)))  # [V^(n-1), n-1]
-    ids = torch.cat([torch.tensor(SPEC_PROMPT).expand(len(paths), -1), paths], 1)
+    dev = model.device
+    paths = torch.tensor(list(itertools.product(range(V), repeat=n - 1)), device=dev)  # [V^(n-1), n-1]
+    ids = torch.cat([torch.tensor(SPEC_PROMPT, device=dev).expand(len(paths), -1), paths], 1)
     with torch.no_grad():
         logits = model(ids)[:, len(SPEC_PROMPT) - 1:]  # [paths, n, V]: position j predicts token j
     P = len(paths)
-    probs = sampling.probs(logits.reshape(P * n, V), params(P * n, **SPEC_SAMPLING)).view(P, n, V)
-    weight = torch.ones(P, dtype=torch.float64)
+    prm = SamplingParams(*(t.to(dev) for t in params(P * n, **SPEC_SAMPLING)))
+    probs = sampling.probs(logits.reshape(P * n, V), prm).view(P, n, V)
+    weight = torch.ones(P, dtype=torch.float64, device=dev)
     out = []
     for j in range(n):
         out.append((weight[:, None] * probs[:, j].double()).sum(0) / V ** (n - 1 - j))
         if j < n - 1:
-            weight = weight * probs[torch.arange(P), j, paths[:, j]].double()
+            weight = weight * probs[torch.arange(P, device=dev), j, paths[:, j]].double()
     return out
-
-
-@pytest.fixture(scope="module")
-def spec_model():
-    return random_model(SPEC_CFG, seed=7)
 
 
 def spec_tokens(spec_model, N: int, B: int) -> tuple[torch.Tensor, dict]:
@@ -312,14 +309,17 @@ def spec_tokens(spec_model, N: int, B: int) -> tuple[torch.Tensor, dict]:
     return torch.tensor([row for batch in out for row in batch]), gen.stats
 
 
-def test_speculative_sampling_keeps_the_distribution_of_plain_sampling(spec_model, monkeypatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_speculative_sampling_keeps_the_distribution_of_plain_sampling(device, monkeypatch) -> None:
     """A 1-layer model with 8 tokens, spec_steps = 2 with its (random, so often wrong) MTP
-    drafts: 4096 sampled continuations of one prompt (a 2-core CPU budget; the rule itself gets
-    40000 draws above). Tokens 1 and 2 come out of speculative steps (token 2 often from
-    verifying real MTP drafts); each follows the exact distribution of plain sampling.
-    Accepting every draft breaks it."""
-    want = exact_marginals(spec_model, 3)
-    tokens, stats = spec_tokens(spec_model, 4096, 512)
+    drafts: sampled continuations of one prompt, 20480 on the GPU box, 4096 on a 2-core CPU
+    (the rule itself gets 40000 draws above). Tokens 1 and 2 come out of speculative steps
+    (token 2 often from verifying real MTP drafts); each follows the exact distribution of
+    plain sampling. Accepting every draft breaks it."""
+    spec_model = random_model(SPEC_CFG, seed=7, device=device)
+    n, n_bad = (20480, 4096) if device == "cuda" else (4096, 2048)
+    want = [w.cpu() for w in exact_marginals(spec_model, 3)]
+    tokens, stats = spec_tokens(spec_model, n, 512)
     assert stats["accepted_tokens"] > 0 and stats["acceptance_rate"] < 0.9  # drafts were judged, not waved through
     for j in range(3):
         assert chi_square_p(torch.bincount(tokens[:, j], minlength=8), want[j]) > P_MIN, j
@@ -328,11 +328,11 @@ def test_speculative_sampling_keeps_the_distribution_of_plain_sampling(spec_mode
     def accept_all(logits, drafts, draft_probs, L, params, filtered):
         Bk, k1, V = logits.shape
         p = sampling.probs(logits.reshape(-1, V), params.repeat_rows(k1), filtered).view(Bk, k1, V)
-        a = torch.full((Bk,), k1 - 1, dtype=torch.int32)
+        a = torch.full((Bk,), k1 - 1, dtype=torch.int32, device=logits.device)
         return a, sampling.draw_from_probs(p[:, -1], params.seed, L.long() + k1, sampling.STREAM_RESIDUAL)
 
     monkeypatch.setattr(speculative, "accept_drafts", accept_all)
-    bad, _ = spec_tokens(spec_model, 2048, 512)
+    bad, _ = spec_tokens(spec_model, n_bad, 512)
     assert min(chi_square_p(torch.bincount(bad[:, j], minlength=8), want[j]) for j in (1, 2)) < P_MIN
 
 
