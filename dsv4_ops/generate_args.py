@@ -142,9 +142,10 @@ def parse_generate_args(B: int, vocab_size: int, max_new_tokens, temperature, to
     else:
         first = _seed("generate: seed", seed)
         seeds = None if first is None else [(first + i) % _SEED_LIMIT for i in range(B)]
-    if seeds is None or None in seeds:
+    if (seeds is None or None in seeds) and any(t > 0 for t in temps):  # greedy never touches torch's RNG
         drawn = torch.randint(0, 2**62, (B,)).tolist()  # a CPU generator: no device sync
         seeds = [d if s is None else s for s, d in zip(seeds or [None] * B, drawn)]
+    seeds = [0 if s is None else s for s in (seeds or [None] * B)]
     per_row = isinstance(eos_token_id, (list, tuple)) and any(
         e is None or isinstance(e, (list, tuple)) for e in eos_token_id)
     if per_row:

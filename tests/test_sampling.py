@@ -231,7 +231,8 @@ def test_compiled_generate_samples_the_eager_tokens_and_new_settings_add_no_grap
     compiled = Generator(model, **dict(KW, compile=True), cuda_graphs=False)
     compiled._forward = model  # only the sampler compiles (see the docstring)
     runs = [dict(temperature=1.0, seed=0), dict(temperature=0.6, seed=[5, 6, 7]),
-            dict(temperature=1.0, top_p=0.9, seed=1), dict(temperature=[0.3, 2.0, 0.0], top_k=[5, 0, 0], top_p=0.5, seed=2)]
+            dict(temperature=1.0, top_p=0.9, seed=1),
+            dict(temperature=[0.3, 2.0, 0.0], top_k=[5, 0, 0], top_p=0.5, seed=2)]
     for kwargs in runs[:1] + runs[2:3]:  # warm-up: both sampler graphs of bucket 4
         compiled.generate(PROMPTS, 6, **kwargs)
     graphs = dict(compiled._graphs)
