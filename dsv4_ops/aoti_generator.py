@@ -33,7 +33,8 @@ def _zeros(spec: str, device) -> list[Tensor]:
 
 
 class AOTIGenerator(GenerationLoop):
-    """Greedy generation from an exported package.
+    """Generation from an exported package (greedy, or sampled with stop ids: ``generate``;
+    sampling runs ``sampling.py`` eagerly on the programs' logits).
 
     Args:
         path: a ``.pt2`` from ``dsv4_ops.export``. Its limits are fixed at export and read from
@@ -44,7 +45,9 @@ class AOTIGenerator(GenerationLoop):
             package has them). ``decode`` needs ``speculative=False``, as with ``Generator``.
 
     Same API as ``Generator``: ``prefill(prompts) -> [B, vocab]``, ``decode(next_ids) -> [B, vocab]``,
-    ``generate(prompts, max_new_tokens) -> list[list[int]]``, ``stats``.
+    ``generate(prompts, max_new_tokens, temperature=..., top_k=..., top_p=..., seed=..., eos_token_id=...)
+    -> list[list[int]]``, ``stats``. Sampling with the speculative programs is not supported (a
+    ValueError): they verify greedily.
     """
 
     def __init__(self, path: str | os.PathLike, device: str | torch.device | None = None,
@@ -83,6 +86,7 @@ class AOTIGenerator(GenerationLoop):
         self.lengths = torch.zeros(B, dtype=torch.int32, device=dev)
         self._ids = torch.zeros(B, dtype=torch.long, device=dev)  # decode's static inputs
         self._n_new = torch.zeros(B, dtype=torch.int32, device=dev)
+        self._decode_mask = self._n_new.clone()  # 1 for the prefilled requests
         if self.speculative:
             self.mtp_cache = _zeros(meta["dsv4.mtp_cache"], dev)
             (self.h_last,) = _zeros(meta["dsv4.h_last"], dev)
@@ -162,7 +166,7 @@ class AOTIGenerator(GenerationLoop):
         ``[B, vocab]`` fp32 logits at each prompt's last position."""
         batch = self._prepare(prompts, self.max_batch_size)
         self.lengths.zero_()
-        self._n_new.copy_((torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32))
+        self._decode_mask = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)
         return self._prefill_batch(batch)
 
     def _prefill_chunk(self, j: int, batch: PreparedBatch) -> Tensor:
@@ -170,15 +174,24 @@ class AOTIGenerator(GenerationLoop):
             return self._run("spec_prefill", batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
         return self._run("prefill", batch.ids[j], batch.n_new(j))
 
-    def _decode_step(self, next_ids: Tensor) -> Tensor:
+    def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B = len(self._host_lengths)
         self._ids.zero_()
         self._ids[:B].copy_(next_ids[:B])
+        self._n_new.copy_(self._decode_mask if n_new is None else n_new)  # finished rows: 0 new
         return self._graphed("decode", self._ids, self._n_new)[:B]
 
-    def _spec_step(self, active: Tensor) -> tuple[Tensor, Tensor]:
+    def _check_generate_args(self, args) -> None:
+        # the exported speculative program verifies greedily; sampling would need the drafts'
+        # distributions as program state (a new package format)
+        if self.speculative and args.sampling:
+            raise ValueError("generate: temperature > 0 with speculative decoding is not supported by "
+                             "AOTIGenerator (the exported spec program is greedy); load the package with "
+                             "speculative=False to sample, or use Generator")
+
+    def _spec_step(self, active: Tensor, params=None, filtered: bool = False) -> tuple[Tensor, Tensor]:
         self._active.copy_(active)
         return self._graphed("spec", self._active)
 
-    def _start_drafts(self, first: Tensor) -> None:
+    def _start_drafts(self, first: Tensor, sampling: bool = False) -> None:
         start_drafts(self.last_tok, self.drafts, first)

@@ -1,11 +1,14 @@
 """What ``Generator`` (compiled model) and ``AOTIGenerator`` (exported package) share: the
-boundary checks, the ragged batch laid out in prefill chunks, the greedy and speculative loops
-over their own step calls, and the stats. Each subclass supplies the steps:
+boundary checks, the ragged batch laid out in prefill chunks, the decode and speculative loops
+(greedy or sampled, with per-request stop ids and lengths) over their own step calls, and the
+stats. Each subclass supplies the steps:
 
     _prefill_chunk(j, batch) -> logits [bucket, vocab]   # chunk j of a prepared batch
-    _decode_step(ids [B]) -> logits [B, vocab]          # one token per row (trusted ids)
-    _spec_step(active [bucket] int32) -> (tokens [bucket, k+1], counts [bucket])
-    _start_drafts(first [B])                            # speculative state after prefill
+    _decode_step(ids [B], n_new) -> logits [B, vocab]   # one token per row (trusted ids); n_new [bucket]
+                                                        # int32 (None = every request takes one)
+    _spec_step(active [bucket] int32, params, filtered) -> (tokens [bucket, k+1], counts [bucket])
+                                                        # params: SamplingParams or None (greedy)
+    _start_drafts(first [B], sampling=False)            # speculative state after prefill
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from . import sampling
+from .generate_args import GenerateArgs, parse_generate_args
 from .ops._validate import check_int
+from .sampling import SamplingParams
 
 __all__ = ["GenerationLoop", "PreparedBatch", "check_prompts", "check_next_ids", "pad_rows", "chunked",
            "check_int"]
@@ -172,8 +178,9 @@ class GenerationLoop:
         self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), B)
         return out
 
-    def _decode(self, next_ids: Tensor) -> Tensor:
-        out = self._decode_step(next_ids)
+    def _decode(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
+        """``n_new [bucket] int32``: 1 for rows that take a token this step (None = every request)."""
+        out = self._decode_step(next_ids, n_new)
         self._host_lengths = [n + 1 for n in self._host_lengths]
         self._stats["decode_steps"] += 1
         return out
@@ -184,51 +191,120 @@ class GenerationLoop:
         self._stats["tokens_generated"] += tokens
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32) -> list[list[int]]:
-        """Greedy decoding: the ``max_new_tokens`` new tokens of every prompt (with speculative
-        decoding when ``spec_steps > 0``: the same tokens, fewer steps)."""
-        check_int("generate: max_new_tokens", max_new_tokens, 1)
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 32, *,
+                 temperature=None, top_k=None, top_p=None, seed=None, eos_token_id=None) -> list[list[int]]:
+        """The new tokens of every prompt (``list[list[int]]``). Greedy by default; with speculative
+        decoding (``spec_steps > 0``) the same tokens in fewer steps (sampled: the same distribution).
+
+        Each keyword is one value for all prompts or a list with one per prompt:
+        ``max_new_tokens`` (>= 1); ``temperature`` (0 or None = greedy); ``top_k`` (0 or None = off);
+        ``top_p`` in (0, 1] (1 or None = off); ``seed`` (an int ``s`` seeds prompt ``i`` with ``s + i``;
+        None = from torch's global generator); ``eos_token_id`` (an int or a list of stop ids for every
+        row, or one list per prompt): a row stops after its first stop id, which is included in its
+        output, and after it writes nothing more to the cache. Sampling is reproducible: the same
+        seeds give the same tokens in eager, compiled and CUDA-graph runs (``sampling.py``).
+
+        Syncs: greedy and sampled decoding read the tokens back once at the end; with stop ids the
+        loop also reads a device-side "all rows done" flag every ``DONE_POLL_STEPS`` steps (and
+        stops early when it is set). Speculative decoding reads each step's tokens (as before)."""
         rows = check_prompts(prompts, self.max_batch_size, self.max_seq_len, self.vocab_size, "generate")
-        longest = max(len(r) for r in rows)
-        if longest + max_new_tokens - 1 > self.max_seq_len:
-            raise ValueError(f"generate: longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) - 1 "
-                             f"> max_seq_len {self.max_seq_len}")
-        first = self.prefill(rows).argmax(-1)
+        args = parse_generate_args(len(rows), self.vocab_size, max_new_tokens, temperature, top_k, top_p, seed,
+                                   eos_token_id)
+        for i, (r, n) in enumerate(zip(rows, args.max_new)):
+            if len(r) + n - 1 > self.max_seq_len:
+                raise ValueError(f"generate: prompts[{i}] ({len(r)} tokens) + max_new_tokens ({n}) - 1 "
+                                 f"> max_seq_len {self.max_seq_len}")
+        self._check_generate_args(args)
+        logits = self.prefill(rows)
+        B, bucket = len(rows), self._bucket
+        params = args.params(bucket, self.device) if args.sampling else None
+        pos0 = torch.zeros(bucket, dtype=torch.long)
+        pos0[:B] = torch.tensor([len(r) for r in rows])
+        pos0 = pos0.to(self.device)  # the position of each row's first new token
+        first = self._pick(logits, params, pos0, args.filtered)
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         if self.speculative:
-            out = self._generate_spec(first, max_new_tokens)
-            emitted = sum(len(o) - 1 for o in out)
+            if params is not None:
+                self._start_drafts(first, sampling=True)  # prefill started them from the argmax
+            out = self._generate_spec(first, args, params)
         else:
-            tokens = [first]
-            for _ in range(max_new_tokens - 1):
-                tokens.append(self._decode(tokens[-1]).argmax(-1))
-            out = torch.stack(tokens, dim=1).tolist()  # the one host sync of the whole loop
-            emitted = len(rows) * (max_new_tokens - 1)
+            out = self._generate_plain(first, args, params, pos0)
+        emitted = sum(len(o) - 1 for o in out)
         # throughput excludes time spent compiling inside the loop
         self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), emitted)
         return out
 
-    def _generate_spec(self, first: Tensor, max_new_tokens: int) -> list[list[int]]:
-        """Speculative steps until every row has ``max_new_tokens``; finished rows sit out
-        (their ``active`` flag is 0, so they write nothing and do not advance)."""
+    def _check_generate_args(self, args: GenerateArgs) -> None:
+        """A subclass hook: reject settings it cannot run."""
+
+    def _pick(self, logits: Tensor, params: SamplingParams | None, pos: Tensor, filtered: bool) -> Tensor:
+        """Each row's next token from ``[B, vocab]`` logits: the argmax when every row is greedy (as
+        before sampling existed), otherwise ``sampling.sample`` over the whole bucket (static shapes)."""
+        if params is None:
+            return logits.argmax(-1)
+        B, bucket = logits.shape[0], pos.shape[0]
+        if B < bucket:
+            logits = torch.cat([logits, logits.new_zeros(bucket - B, logits.shape[1])])
+        return self._sample(logits, params, pos, filtered)[:B]
+
+    def _sample(self, logits: Tensor, params: SamplingParams, pos: Tensor, filtered: bool) -> Tensor:
+        return sampling.sample(logits, params, pos, filtered)  # eager; Generator compiles it
+
+    def _generate_plain(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None,
+                        pos0: Tensor) -> list[list[int]]:
+        """One decode step per token. When rows can stop at different times, a device-side
+        ``done`` flag per row turns a finished row's ``n_new`` to 0 (it writes nothing and its
+        length stops); its later tokens are cut on the host after the one sync at the end."""
+        B, bucket = first.shape[0], self._bucket
+        prompt_lens = list(self._host_lengths)
+        tokens, n_new, done = [first], None, None
+        if args.stops_early:
+            eos = args.eos_table(B, self.device)
+            last = torch.tensor(args.max_new, device=self.device) - 1  # index of each row's last token
+            done = _stopped(first, 0, eos, last)
+        poll = any(args.eos)
+        for t in range(1, max(args.max_new)):
+            if done is not None:
+                n_new = torch.zeros(bucket, dtype=torch.int32, device=self.device)
+                n_new[:B] = (~done).to(torch.int32)
+            tok = self._pick(self._decode(tokens[-1], n_new), params, pos0 + t, args.filtered)
+            tokens.append(tok)
+            if done is not None:
+                done = done | _stopped(tok, t, eos, last)
+                if poll and t % DONE_POLL_STEPS == 0 and bool(done.all()):  # the only sync inside the loop
+                    break
+        out = [_cut(row, n, stops) for row, n, stops in
+               zip(torch.stack(tokens, dim=1).tolist(), args.max_new, args.eos)]  # the one sync at the end
+        if done is not None:  # rows stopped early processed fewer tokens than the decode count
+            self._host_lengths = [p + len(o) - 1 for p, o in zip(prompt_lens, out)]
+        return out
+
+    def _generate_spec(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None) -> list[list[int]]:
+        """Speculative steps until every row has its tokens; finished rows sit out (their
+        ``active`` flag is 0, so they write nothing and do not advance)."""
         B, k = first.shape[0], self.spec_steps
-        out = [[t] for t in first.tolist()]
+        out = [_cut([t], n, stops) for t, n, stops in zip(first.tolist(), args.max_new, args.eos)]
+        finished = [len(o) >= n or o[-1] in stops for o, n, stops in zip(out, args.max_new, args.eos)]
+        self._spec_history_start = len(self.spec_history)
         while True:
-            active = [int(len(o) < max_new_tokens) for o in out] + [0] * (self._bucket - B)
+            active = [int(not f) for f in finished] + [0] * (self._bucket - B)
             if not any(active):
                 break
-            tokens, counts = self._spec_step(torch.tensor(active, dtype=torch.int32, device=self.device))
+            tokens, counts = self._spec_step(torch.tensor(active, dtype=torch.int32, device=self.device), params,
+                                             args.filtered)
             tokens, counts = tokens.tolist(), counts.tolist()  # one small sync per step
             self.spec_history.append(counts[:B])
             for b in range(B):
-                out[b] += tokens[b][: counts[b]]
+                if counts[b]:
+                    out[b] = _cut(out[b] + tokens[b][: counts[b]], args.max_new[b], args.eos[b])
+                    finished[b] = len(out[b]) >= args.max_new[b] or out[b][-1] in args.eos[b]
                 self._host_lengths[b] += counts[b]
             n_act = sum(active)
             self._stats["spec_steps_run"] += 1
             self._stats["decode_steps"] += 1
             self._stats["accepted_tokens"] += sum(counts) - n_act  # the bonus token is not a draft
             self._stats["drafted_tokens"] += k * n_act
-        return [o[:max_new_tokens] for o in out]
+        return out
 
     @property
     def stats(self) -> dict:
@@ -236,10 +312,34 @@ class GenerationLoop:
         ``B`` per prefill and per decode), decode_tokens, decode_time_s, decode_tokens_per_s,
         graph_breaks, recompiles, cuda_graph_replays, compile_time_s, and for spec_steps > 0:
         accepted_tokens (drafts accepted), acceptance_rate (accepted / drafted), tokens_per_step
-        (tokens emitted per request per speculative step)."""
+        (tokens emitted per request per speculative step), tokens_per_step_per_row (that mean per row
+        of the latest speculative ``generate``, over the steps the row took part in).
+        cuda_graph_replays counts CUDA graphs actually replayed (0 without CUDA graphs)."""
         s = dict(self._stats)
         s["decode_tokens_per_s"] = s["decode_tokens"] / s["decode_time_s"] if s["decode_time_s"] else 0.0
         s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
         k = self.spec_steps
         s["tokens_per_step"] = (1 + k * s["acceptance_rate"]) if s["drafted_tokens"] else 1.0
+        # per row of the latest speculative generate: mean tokens emitted over the steps it was active
+        steps = self.spec_history[getattr(self, "_spec_history_start", len(self.spec_history)):]
+        s["tokens_per_step_per_row"] = [
+            sum(c) / len(c) if c else 0.0
+            for c in ([row[b] for row in steps if row[b] > 0] for b in range(len(steps[0]) if steps else 0))]
         return s
+
+
+DONE_POLL_STEPS = 8  # with stop ids: steps between reads of the device-side "all rows done" flag
+
+
+def _stopped(tok: Tensor, t: int, eos: Tensor, last: Tensor) -> Tensor:
+    """Rows whose token ``t`` (0-based) ``tok [B]`` ends them: a stop id or their last token."""
+    return (tok[:, None] == eos).any(dim=-1) | (last <= t)
+
+
+def _cut(row: list[int], max_new: int, stops: list[int]) -> list[int]:
+    """``row`` up to and including its first stop id, at most ``max_new`` tokens."""
+    row = row[:max_new]
+    for i, tok in enumerate(row):
+        if tok in stops:
+            return row[: i + 1]
+    return row

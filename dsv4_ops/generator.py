@@ -1,4 +1,4 @@
-"""Generator: ragged-batch prefill, decode and greedy generate — a thin loop over the model.
+"""Generator: ragged-batch prefill, decode and generate (greedy or sampled) — a thin loop over the model.
 
 The model owns the KV pool (``model.setup_caches``); the generator owns each row's length (a
 device tensor) and calls the model's cached step, ``torch.compile(model, fullgraph=True)``
@@ -6,17 +6,22 @@ when ``compile=True`` (on CUDA replayed as CUDA graphs, Inductor's cudagraph tre
 frozen per batch bucket (1, 2, 4, ... max_batch_size): prefill runs chunks of
 ``prefill_chunk`` tokens, decode one token per row, so new prompts of any length reuse the
 compiled graphs. Speculative decoding (``spec_steps > 0``) compiles its own step
-(``speculative.py``) the same way.
+(``speculative.py``) the same way, and so is sampling (``sampling.py``): its settings are tensor
+inputs, so new temperatures or top-p values reuse the graphs.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from . import sampling
+from .cudagraph_replays import replays
 from .generation_loop import GenerationLoop, PreparedBatch, check_int, pad_rows
+from .sampling import SamplingParams
 from .speculative import SpecDecoding
 
 __all__ = ["Generator"]
@@ -35,7 +40,7 @@ def _compile(fn, cuda_graphs: bool):
 
 
 class Generator(GenerationLoop):
-    """Greedy generation for a ``DeepseekV4ForCausalLM`` on the dsv4 ops.
+    """Generation (greedy, or sampled with stop ids: ``generate``) for a ``DeepseekV4ForCausalLM`` on the dsv4 ops.
 
     Args:
         model: a ``dsv4_ops.DeepseekV4ForCausalLM``. The generator sets up its KV pool
@@ -102,16 +107,30 @@ class Generator(GenerationLoop):
         self._init_loop()
 
     # ------------------------------------------------------------------ running a step
-    def _spec_fn(self, kind: str):
+    def _compiled(self, kind: str):
+        """The step function of ``kind``, compiled once per generator (when ``compile=True``)."""
         if kind not in self._steps:
-            fn = {"spec_prefill": self.spec.prefill_step, "spec": self.spec.spec_step}[kind]
+            fn = self._step_fn(kind)
             self._steps[kind] = _compile(fn, self.cuda_graphs) if self.compiled else fn
         return self._steps[kind]
+
+    def _step_fn(self, kind: str):
+        # sampling settings are tensor inputs; `filtered` (any top-k / top-p: sort the logits) is the
+        # one static choice, so it is part of the kind: changing the settings' values adds no graph
+        filtered = kind.endswith("_filtered")
+        if kind == "spec_prefill":
+            return self.spec.prefill_step
+        if kind == "spec":
+            return self.spec.spec_step
+        if kind.startswith("spec_sample"):
+            return functools.partial(self.spec.spec_step, filtered=filtered)
+        return functools.partial(sampling.sample, filtered=filtered)
 
     def _run(self, kind: str, bucket: int, fn, *args, **kwargs):
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]
         breaks_before = sum(counters["graph_break"].values())
+        replays_before = replays()
         t0 = time.perf_counter()
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -126,9 +145,10 @@ class Generator(GenerationLoop):
             key = (kind, bucket)
             self._graphs[key] = self._graphs.get(key, 0) + new_graphs
             self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
-        elif self.cuda_graphs:
-            self._stats["cuda_graph_replays"] += 1
-        if self.cuda_graphs:  # graph outputs are overwritten by the next replay
+        if self.cuda_graphs:
+            # count the graphs the call really replayed (not warm-ups, recordings or cudagraph skips)
+            self._stats["cuda_graph_replays"] += replays() - replays_before
+            # graph outputs are overwritten by the next replay
             out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         return out
 
@@ -156,15 +176,24 @@ class Generator(GenerationLoop):
     def _prefill_chunk(self, j: int, batch: PreparedBatch) -> Tensor:
         if self.spec is None:
             return self._step("prefill", batch.ids[j], batch.n_new(j))
-        return self._run("spec_prefill", batch.bucket, self._spec_fn("spec_prefill"), batch.ids[j],
+        return self._run("spec_prefill", batch.bucket, self._compiled("spec_prefill"), batch.ids[j],
                          batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
 
-    def _decode_step(self, next_ids: Tensor) -> Tensor:
+    def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B, bucket = len(self._host_lengths), self._bucket
-        return self._step("decode", pad_rows(next_ids[:B], bucket), self._decode_n_new)[:B]  # padding: 0 new
+        n_new = self._decode_n_new if n_new is None else n_new  # padding rows: 0 new
+        return self._step("decode", pad_rows(next_ids[:B], bucket), n_new)[:B]
 
-    def _spec_step(self, active: Tensor) -> tuple[Tensor, Tensor]:
-        return self._run("spec", self._bucket, self._spec_fn("spec"), active)
+    def _sample(self, logits: Tensor, params: SamplingParams, pos: Tensor, filtered: bool) -> Tensor:
+        kind = "sample_filtered" if filtered else "sample"
+        return self._run(kind, logits.shape[0], self._compiled(kind), logits, params, pos)
 
-    def _start_drafts(self, first: Tensor) -> None:
-        self.spec.start(first)
+    def _spec_step(self, active: Tensor, params: SamplingParams | None = None,
+                   filtered: bool = False) -> tuple[Tensor, Tensor]:
+        if params is None:
+            return self._run("spec", self._bucket, self._compiled("spec"), active)
+        kind = "spec_sample_filtered" if filtered else "spec_sample"
+        return self._run(kind, self._bucket, self._compiled(kind), active, params)
+
+    def _start_drafts(self, first: Tensor, sampling: bool = False) -> None:
+        self.spec.start(first, sampling)

@@ -21,6 +21,14 @@ rewritten before any query can see them. The ``k-1`` draft steps take their meta
 planned and executed steps is one constant (the off-by-one class of bugs in
 dsv4_serving_engines.md §5.2 cannot happen). Extend and verify have their own plan calls.
 
+Sampling (``params`` given: temperature, top-k, top-p, seed per row) is speculative SAMPLING,
+which keeps the target distribution exactly: the MTP block samples each draft ``d_j`` from its
+own filtered distribution ``q_j`` (kept in ``draft_probs``); verify computes the main model's
+``p_j`` and accepts draft ``j`` while ``u_j * q_j(d_j) < p_j(d_j)`` (probability
+``min(1, p/q)``); at the first rejection it draws from ``normalize(max(0, p - q))``, and after k
+acceptances the bonus token from ``p_k``. Greedy rows use one-hot ``p`` and ``q``, which makes
+the rule the greedy one. All randomness is ``sampling.hash_uniform`` of (seed, position, token).
+
 ``draft="oracle"`` (tests only) drafts with the main model itself (k greedy decode steps), so
 drafts always equal the main model's greedy tokens (full acceptance); ``wrong_rows`` then turns
 a row's drafts into ``(g + 1) % vocab`` (zero acceptance).
@@ -32,8 +40,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from . import sampling
 from .model.attention import AttentionState
 from .model.plan import RingSizes, plan_step, plan_steps
+from .sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -52,6 +62,7 @@ class SpecState:
     rings: RingSizes
     mtp_rings: RingSizes
     wrong_rows: Tensor | None = None  # oracle drafting (tests): rows whose drafts are made wrong
+    draft_probs: Tensor | None = None  # [Bk, k, V] fp32: the distribution each draft was sampled from
 
 
 class SpeculativeStep:
@@ -88,9 +99,11 @@ class SpeculativeStep:
         return model.logits(picked[:, None])[:, 0]
 
     # ------------------------------------------------------------------ the step
-    def step(self, st: SpecState, active: Tensor) -> tuple[Tensor, Tensor]:
+    def step(self, st: SpecState, active: Tensor, params: SamplingParams | None = None,
+             filtered: bool = False) -> tuple[Tensor, Tensor]:
         """active ``[Bk] int32`` (1 = this row generates) -> (tokens ``[Bk, k+1]`` with ``-1``
-        after each row's emitted ones, counts ``[Bk]``)."""
+        after each row's emitted ones, counts ``[Bk]``). ``params`` (None = greedy) samples;
+        ``filtered`` (static) applies their top-k / top-p."""
         model, k = self.model, self.k
         Bk = active.shape[0]
         L, last, drafts, h_last = st.lengths, st.last_tok, st.drafts, st.h_last
@@ -101,9 +114,12 @@ class SpeculativeStep:
         n_verify = active * (k + 1)
         X = model.hidden_streams(ids, L, n_verify, model.plan(L, n_verify, k + 1, rings=st.rings),
                                  st.states)  # [Bk, k+1, N, D]
-        g = model.logits(X).argmax(-1)  # [Bk, k+1]
-        a = (drafts == g[:, :k]).to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)  # accepted drafts
-        bonus = g[rows, a]
+        if params is None:
+            g = model.logits(X).argmax(-1)  # [Bk, k+1]
+            a = (drafts == g[:, :k]).to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)  # accepted drafts
+            bonus = g[rows, a]
+        else:
+            a, bonus = accept_drafts(model.logits(X), drafts, st.draft_probs, L, params, filtered)
         j = torch.arange(k + 1, device=active.device)
         padded = torch.cat([drafts, drafts[:, :1]], dim=1)
         tokens = torch.where(j < a[:, None], padded, torch.where(j == a[:, None], bonus[:, None], -1))
@@ -111,25 +127,35 @@ class SpeculativeStep:
         tokens = torch.where(active[:, None] > 0, tokens, -1)
         new_len = L + count
 
-        # 2.+3. the next drafts
+        # 2.+3. the next drafts (and, sampling, the distributions they were drawn from)
         if self.draft == "mtp":
-            new_drafts = self._mtp_drafts(st, new_len, active, a, bonus, X)
+            new_drafts, new_q = self._mtp_drafts(st, new_len, active, a, bonus, X, params, filtered)
         else:
-            new_drafts = self._oracle_drafts(st, new_len, active, bonus)
+            new_drafts = self._oracle_drafts(st, new_len, active, bonus)  # deterministic: one-hot q
+            new_q = None if params is None else torch.nn.functional.one_hot(new_drafts, st.draft_probs.shape[-1])
 
         # commit (inactive rows keep everything)
         act = active > 0
         h_last.copy_(torch.where(act[:, None, None], X[rows, a], h_last))
         last.copy_(torch.where(act, bonus, last))
         drafts.copy_(torch.where(act[:, None], new_drafts, drafts))
+        if new_q is not None:
+            st.draft_probs.copy_(torch.where(act[:, None, None], new_q, st.draft_probs))
         L.copy_(new_len)
         return tokens, count
 
-    def _mtp_drafts(self, st: SpecState, new_len, active, a, bonus, X) -> Tensor:
+    def _mtp_drafts(self, st: SpecState, new_len, active, a, bonus, X, params=None, filtered=False):
         model, k, blk = self.model, self.k, self.model.mtp[0]
         cfg, Bk = model.config, active.shape[0]
         L, last, drafts, h_last = st.lengths, st.last_tok, st.drafts, st.h_last
         rows = torch.arange(Bk, device=active.device)
+
+        def pick(y, pos):  # draft token at position `pos` from MTP output streams y [Bk, 1, N, D]
+            logits = model.lm_head(blk.hidden(y)).float()[:, 0]
+            if params is None:
+                return logits.argmax(-1), None
+            return sampling.sample_with_probs(logits, params, pos.long(), filtered, sampling.STREAM_DRAFT)
+
         # extend: positions L-1 .. L+a; streams at t, token at t+1
         streams = torch.cat([h_last[:, None], X], dim=1)  # [Bk, k+2, N, D]
         toks = torch.cat([last[:, None], drafts, torch.zeros_like(last)[:, None]], dim=1)
@@ -140,16 +166,17 @@ class SpeculativeStep:
         self._log("extend", meta, n_ext)
         Y = blk(streams, model.model.embed_tokens(toks), meta, st.mtp_state, toks)
         y = Y[rows, a + 1][:, None]  # output at position L+a: drafts position L'+1
-        d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
-        out = [d]
+        d, q = pick(y, new_len + 1)
+        out, qs = [d], [q]
         if k > 1:
             plans = plan_steps(cfg, new_len, active, 1, st.mtp_rings, steps=k - 1, concat=False)
-            for meta in plans:  # draft i+1 at position L' + i: exactly len(plans) == k-1 steps
+            for i, meta in enumerate(plans):  # draft i+2 at position L' + i + 2: exactly len(plans) == k-1 steps
                 self._log("draft", meta, active)
                 y = blk(y, model.model.embed_tokens(d[:, None]), meta, st.mtp_state, d[:, None])
-                d = model.lm_head(blk.hidden(y)).float().argmax(-1)[:, 0]
+                d, q = pick(y, new_len + i + 2)
                 out.append(d)
-        return torch.stack(out, dim=1)
+                qs.append(q)
+        return torch.stack(out, dim=1), (None if params is None else torch.stack(qs, dim=1))
 
     def _oracle_drafts(self, st: SpecState, new_len, active, bonus) -> Tensor:
         model, k = self.model, self.k
@@ -183,6 +210,7 @@ class SpecDecoding(SpeculativeStep):
         self.drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
         self.h_last = torch.zeros(B, N, D, dtype=model.dtype, device=dev)
         self.wrong_rows = torch.zeros(B, dtype=torch.bool, device=dev)  # oracle drafting only
+        self.draft_probs: Tensor | None = None  # allocated by the first sampled generate
         for t in (self.last_tok, self.drafts, self.h_last, self.wrong_rows):
             torch._dynamo.mark_static_address(t)
 
@@ -196,13 +224,26 @@ class SpecDecoding(SpeculativeStep):
     def prefill_step(self, ids: Tensor, next_ids: Tensor, n_new: Tensor, n_mtp: Tensor) -> Tensor:
         return self.prefill(self.state(ids.shape[0]), ids, next_ids, n_new, n_mtp)
 
-    def spec_step(self, active: Tensor) -> tuple[Tensor, Tensor]:
-        return self.step(self.state(active.shape[0]), active)
+    def spec_step(self, active: Tensor, params: SamplingParams | None = None,
+                  filtered: bool = False) -> tuple[Tensor, Tensor]:
+        st = self.state(active.shape[0])
+        if params is not None:
+            st.draft_probs = self.draft_probs[: active.shape[0]]
+        return self.step(st, active, params, filtered)
 
-    def start(self, first: Tensor) -> None:
-        """After prefill: ``first [B]`` (greedy token at each prompt's end) is the next token;
-        the first drafts are placeholders, which verify simply rejects."""
+    def start(self, first: Tensor, sampling: bool = False) -> None:
+        """After prefill: ``first [B]`` (the token after each prompt) is the next token; the first
+        drafts are placeholders, which verify simply rejects unless they happen to be right.
+        Sampling, a placeholder is a draft from a one-hot ``q``, which the rejection rule handles
+        exactly (accepted with probability ``p(d)``, else a draw from ``p`` without ``d``)."""
         start_drafts(self.last_tok, self.drafts, first)
+        if sampling:
+            if self.draft_probs is None:  # only sampling needs the drafts' distributions: [B, k, V]
+                B, V = self.last_tok.shape[0], self.model.config.vocab_size
+                self.draft_probs = torch.zeros(B, self.k, V, dtype=torch.float32, device=first.device)
+                torch._dynamo.mark_static_address(self.draft_probs)
+            B = first.shape[0]
+            self.draft_probs[:B].copy_(torch.nn.functional.one_hot(self.drafts[:B], self.draft_probs.shape[-1]))
 
 
 def start_drafts(last_tok: Tensor, drafts: Tensor, first: Tensor) -> None:
@@ -210,3 +251,30 @@ def start_drafts(last_tok: Tensor, drafts: Tensor, first: Tensor) -> None:
     B = first.shape[0]
     last_tok[:B].copy_(first)
     drafts[:B].copy_(first[:, None].expand(B, drafts.shape[1]))
+
+
+def accept_drafts(logits: Tensor, drafts: Tensor, draft_probs: Tensor, L: Tensor, params: SamplingParams,
+                  filtered: bool) -> tuple[Tensor, Tensor]:
+    """The rejection-sampling rule of speculative sampling, for verify logits ``[Bk, k+1, V]`` at
+    positions ``L..L+k`` (index ``j`` predicts position ``L+j+1``), drafts ``d [Bk, k]`` for
+    positions ``L+1..L+k`` drawn from ``draft_probs q [Bk, k, V]``. Returns (accepted count
+    ``a [Bk] int32``, the token at position ``L+a+1``): draft ``j`` is accepted with probability
+    ``min(1, p_j(d_j) / q_j(d_j))`` while all before it were; the next token comes from
+    ``normalize(max(0, p_a - q_a))`` after a rejection, from ``p_k`` after k acceptances."""
+    Bk, k1, V = logits.shape
+    k = k1 - 1
+    p = sampling.probs(logits.reshape(Bk * k1, V), params.repeat_rows(k1), filtered).view(Bk, k1, V)
+    pos = L.long()[:, None] + torch.arange(1, k1, device=L.device)  # draft j's position
+    p_d = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_d = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    u = sampling.hash_uniform(params.seed[:, None], pos, drafts, sampling.STREAM_ACCEPT)
+    ok = u * q_d < p_d  # u < p / q without dividing by q
+    a = ok.to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)
+    rows = torch.arange(Bk, device=L.device)
+    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, a]  # 0 after k accepts
+    p_next = p[rows, a]
+    residual = (p_next - q_next).clamp(min=0)
+    # all-zero only when p == q up to rounding, where a rejection has probability ~0: fall back to p
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    token = sampling.draw_from_probs(residual, params.seed, L.long() + a + 1, sampling.STREAM_RESIDUAL)
+    return a, token

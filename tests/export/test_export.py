@@ -17,7 +17,7 @@ import torch
 from expecttest import assert_expected_inline
 
 import dsv4_ops
-from dsv4_ops import AOTIGenerator
+from dsv4_ops import AOTIGenerator, Generator
 from dsv4_ops.aoti_export import PROGRAMS, SPEC_PROGRAMS, _CachedStep, exported_program, parse_cache_spec
 from dsv4_ops.model.plan import ring_sizes
 
@@ -54,6 +54,19 @@ def test_fresh_process_generates_the_eager_tokens(tiny_package, eager_tokens, sp
     tokens = json.loads(out.stdout.strip().splitlines()[-1])
     assert tokens == eager_tokens
     assert len({t for row in tokens for t in row}) > 5  # not a degenerate stream
+
+
+def test_sampling_and_stop_ids_match_the_eager_generator(tiny_model, tiny_package, eager_tokens) -> None:
+    """Sampling runs on the exported decode program's logits with the same counter-based RNG:
+    the eager Generator's seeded tokens, per-request lengths and stop ids."""
+    stop = eager_tokens[1][2]
+    kw = dict(max_new_tokens=[NEW_TOKENS] + [4] * (len(PROMPTS) - 1), temperature=0.8, top_p=0.9, seed=3)
+    want = Generator(tiny_model, compile=False, **LIMITS).generate(PROMPTS, **kw)
+    gen = AOTIGenerator(tiny_package, speculative=False)
+    assert gen.generate(PROMPTS, **kw) == want
+    assert want != eager_tokens
+    stopped = gen.generate(PROMPTS, max_new_tokens=NEW_TOKENS, eos_token_id=stop)
+    assert stopped[1] == eager_tokens[1][: eager_tokens[1].index(stop) + 1]
 
 
 def test_prefill_and_decode_logits_equal_eager(tiny_model, tiny_package) -> None:
@@ -152,6 +165,8 @@ def plain_prefilled(g: AOTIGenerator) -> AOTIGenerator:
     (lambda g: plain_prefilled(g).decode(torch.tensor([1, 999])), r"next_ids\[1\] = 999 is outside"),
     (lambda g: plain_prefilled(g).decode(torch.tensor([1])), r"next_ids must have shape \[2\]"),
     (lambda g: g.generate([[1]], max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (lambda g: g.generate([[1]], max_new_tokens=4, temperature=0.7), r"temperature > 0 with speculative decoding "
+                                                                       "is not supported by AOTIGenerator"),
 ])  # fmt: skip
 def test_inputs_past_the_exported_limits_are_rejected(tiny_package, eager_tokens, call, match) -> None:
     gen = AOTIGenerator(tiny_package)
