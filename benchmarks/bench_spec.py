@@ -15,7 +15,9 @@ The speculative ``generate`` loop syncs once per step (it reads the accepted cou
 loop does not. The speculative step is a static graph, so its cost does not depend on how many
 drafts are accepted: tokens/s under full acceptance = B (k+1) / step_ms. The measured tokens per
 step and acceptance come from ``gen.stats`` (random MTP weights against a random main model:
-drafts almost never match, ~1 token per step).
+drafts almost never match, ~1 token per step) -- unless ``--distill-steps N`` first trains the MTP
+block on the main model's own greedy continuations (``dsv4_ops.distill.distill_mtp``), which gives
+the drafter real acceptance on a random-weight model.
 
 Bytes floor of a step (4.3 TB/s): a plain step reads the main model once (bench_model.floor_parts);
 a speculative step reads it once for the verify pass (its B (k+1) tokens route to more experts)
@@ -23,6 +25,7 @@ plus, k times, the MTP block (its routed experts for B tokens), the shared LM he
 window and B embedding rows -- the k draft forwards depend on each other.
 
     python3 benchmarks/bench_spec.py --out out/bench_spec.json     # GPU box (gpu_check.sh spec), ~5 min cold
+    python3 benchmarks/bench_spec.py --config flash-slice --distill-steps 200 --ks 1 2 3 4 --out out/spec.json
     python3 benchmarks/bench_spec.py --smoke --out /tmp/spec.json   # tiny config, eager, CPU
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ from benchmarks.bench_model import MODES, bench_config, floor_parts, release, we
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
-from benchmarks.random_weights import bench_setup  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
 STATS = ("decode_steps", "decode_tokens", "accepted_tokens", "drafted_tokens")
 
@@ -91,6 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=None, help="timed generate calls per length (default 5; smoke 1)")
     ap.add_argument("--layers", type=int, default=2,
                     help="main-model layers (2 = the bench config); deeper models shrink the MTP block's share")
+    ap.add_argument("--config", choices=CONFIGS, default="bench",
+                    help="bench: the 2-layer 8-expert config; flash-slice: V4-Flash in miniature (256 experts)")
+    ap.add_argument("--distill-steps", type=int, default=0,
+                    help="first distil the MTP block for this many steps (dsv4_ops.distill.distill_mtp); 0 = random")
+    ap.add_argument("--distill-params", default="attn+proj", help="which MTP parameters distillation trains")
+    ap.add_argument("--distill-seq-len", type=int, default=96, help="tokens per distillation sequence")
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager: a seconds-long check")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
     args = ap.parse_args(argv)
@@ -108,10 +117,21 @@ def main(argv=None, log=None) -> dict:
     log = log or (lambda msg: print(msg, flush=True))
     device, cfg, model = bench_setup(args, "bench_spec", bench_config)
     mode = MODES["eager" if args.smoke else "graphs"]
+    distill = None
+    if args.distill_steps:
+        from dsv4_ops.distill import distill_mtp
+
+        distill = distill_mtp(model, steps=args.distill_steps, batch=4 if args.smoke else 16,
+                              seq_len=24 if args.smoke else args.distill_seq_len, params=args.distill_params,
+                              init="last_layer")
+        distill = {k: v for k, v in distill.items() if k not in ("loss", "trained_names")}
+        log(f"distilled the MTP block: {distill}")
+        release(device)
     ctx, (n_short, n_long) = args.context, args.new_tokens
     res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                          torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
-                         argv=sys.argv[1:] if argv is None else argv, config="tiny" if args.smoke else "bench",
+                         argv=sys.argv[1:] if argv is None else argv,
+                         config="tiny" if args.smoke else args.config, distill=distill,
                          layers=cfg.num_hidden_layers, generator=mode, new_tokens=[n_short, n_long],
                          hbm_bytes_per_s=HBM_BYTES_PER_S),
                context=ctx, layers=cfg.num_hidden_layers, rows=[])
