@@ -30,14 +30,14 @@ class StepLog:
         if gen.spec.draft == "mtp":
             gen.model.mtp[0].norm.register_forward_hook(lambda mod, args, out: self._hidden.append(out.detach()))
 
-    def _step(self, active: Tensor):
+    def _step(self, active: Tensor, *sampling):
         spec, gen = self.gen.spec, self.gen
         Bk = active.shape[0]
         if self.first is None:
             self.first = spec.last_tok[:Bk].clone()
         before = gen.lengths[:Bk].clone()
         self._hidden.clear()
-        tokens, counts = self._inner(active)
+        tokens, counts = self._inner(active, *sampling)
         rec = dict(active=active.clone().bool(), before=before, after=gen.lengths[:Bk].clone(), tokens=tokens.clone(),
                    counts=counts.clone(), last_tok=spec.last_tok[:Bk].clone(), drafts=spec.drafts[:Bk].clone())
         if self._hidden:  # one [Bk, 1, D] hidden state per draft
