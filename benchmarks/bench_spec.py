@@ -121,11 +121,15 @@ def main(argv=None, log=None) -> dict:
     if args.distill_steps:
         from dsv4_ops.distill import distill_mtp
 
-        distill = distill_mtp(model, steps=args.distill_steps, batch=4 if args.smoke else 16,
-                              seq_len=24 if args.smoke else args.distill_seq_len, params=args.distill_params,
-                              init="last_layer")
-        distill = {k: v for k, v in distill.items() if k not in ("loss", "trained_names")}
-        log(f"distilled the MTP block: {distill}")
+        try:
+            distill = distill_mtp(model, steps=args.distill_steps, batch=4 if args.smoke else 16,
+                                  seq_len=24 if args.smoke else args.distill_seq_len, params=args.distill_params,
+                                  init="last_layer")
+            distill = {k: v for k, v in distill.items() if k not in ("loss", "trained_names")}
+            log(f"distilled the MTP block: {distill}")
+        except Exception as e:  # the timings still stand with the random drafter; say so in the results
+            distill = dict(error=f"{type(e).__name__}: {e}")
+            log(f"distillation failed, timing the random MTP block: {distill['error']}")
         release(device)
     ctx, (n_short, n_long) = args.context, args.new_tokens
     res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
