@@ -112,19 +112,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when CUDA is unavailable)")
 
 
-# The longest test files on a 2-core CPU (export + C++ build, compiled HF generate, README runs): run
-# first, so that under `-n 2 --dist loadfile` the other worker works through the short files meanwhile
-# instead of one worker finishing a long file alone at the end.
-LONGEST_FIRST = ("test_readme_and_examples.py", "export/test_export.py", "test_hf_enable.py", "test_sampling.py")
-
-
-def _longest_first(item) -> int:
-    path = item.nodeid.split("::")[0]
-    return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith(name)), len(LONGEST_FIRST))
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_longest_first)  # stable: the order within and between other files is kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu); torch.cuda.is_available() is False")
