@@ -289,8 +289,13 @@ def bench_hf(cfg, batch: int, ctx: int, dtype, device, args, log, chunk: int) ->
     torch.manual_seed(0)
     hcfg = cfg.to_hf(attn_implementation="eager")
     hcfg._experts_implementation = "eager"
-    with torch.device(device):
-        hf = HF(hcfg).to(dtype=dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the bench dtype: an fp32 Flash slice would not fit the GPU
+    try:
+        with torch.device(device):
+            hf = HF(hcfg).to(dtype=dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
     ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device=device)
     t0 = time.perf_counter()
     state = {}

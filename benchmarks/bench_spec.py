@@ -87,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (smoke: 1)")
-    ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft tokens per step (default: 1 3; smoke: 1)")
+    ap.add_argument("--ks", type=int, nargs="*", default=None,
+                    help="draft tokens per step (default: 1 3; smoke: 1; none: the plain step only)")
     ap.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096; smoke 24)")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=None, metavar=("N_SHORT", "N_LONG"),
                     help="the two generate lengths (default: 8 72; smoke: 2 5)")
@@ -138,7 +139,7 @@ def main(argv=None, log=None) -> dict:
                          config="tiny" if args.smoke else args.config, distill=distill,
                          layers=cfg.num_hidden_layers, generator=mode, new_tokens=[n_short, n_long],
                          hbm_bytes_per_s=HBM_BYTES_PER_S),
-               context=ctx, layers=cfg.num_hidden_layers, rows=[])
+               context=ctx, layers=cfg.num_hidden_layers, rows=[], plain=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for B in args.batches:
@@ -153,6 +154,7 @@ def main(argv=None, log=None) -> dict:
         release(device)
         plain_floor = floor_parts(model, cfg, B, ctx)["floor_ms"]
         t_plain = plain["step_ms"]
+        res["plain"].append(dict(batch=B, context=ctx, plain_ms=t_plain, plain_floor_ms=plain_floor, plain=plain))
         log(f"B={B}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms; generate "
             f"{plain['generate_short_ms']:.1f} / {plain['generate_long_ms']:.1f} ms for {n_short} / {n_long} tokens)")
         for k in args.ks:

@@ -13,6 +13,13 @@
 #   hf      = HF generate unpatched vs dsv4_ops.hf.enable (eager, compiled) vs Generator, B=1 and 32
 #             (benchmarks/bench_hf.py)
 #   spec    = speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py; ~5 min cold)
+#   moe     = routed experts of 1-8 tokens at Flash widths: dsv4::moe_gemv vs the grouped GEMM path vs the bytes
+#             floor, after a launch-config sweep at batch 1 (benchmarks/bench_moe.py --sweep), + the moe_gemv GPU tests
+#   flash-spec = the Flash slice's decode step inside generate at batch 1 (plain, k = 1, 3; bench_spec.py, ctx 2K)
+#   flash-hf = the Flash slice's public decode at batch 1, 8 x 4K, then HF transformers eager on the same config
+#             (built in bf16 on the GPU) at 1 x 4K: prefill time and decode step
+#   load    = an official-format (FP8 + FP4, ue8m0, 16 shards) Flash-slice checkpoint written to /tmp, then
+#             dsv4_ops.load_pretrained onto the GPU: seconds, peak host RSS, peak GPU memory (benchmarks/bench_load.py)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -67,6 +74,15 @@ for what in "$@"; do
             prompt=$(python3 -c "import torch; g = torch.Generator().manual_seed(1001); print(','.join(map(str, torch.randint(0, 129280, (4096,), generator=g).tolist())))") &&
             for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" --max-new-tokens 256 >/dev/null; done; } \
             2>&1 | tee -a "$OUT/bench_model_aoti.log" || rc=1 ;;
+    moe) { python3 benchmarks/bench_moe.py --sweep --out "$OUT/bench_moe.json" &&
+           python3 -m pytest -q -m gpu tests/ops/test_moe_gemv.py -p no:cacheprovider; } 2>&1 | quiet \
+           | tee "$OUT/bench_moe.log" | grep -v "^\[sweep\] [0-9]" || rc=1 ;;
+    flash-spec) python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks 1 3 --context 2048 --samples 3 \
+           --out "$OUT/bench_spec_flash_b1.json" 2>&1 | quiet | tee "$OUT/bench_spec_flash_b1.log" || rc=1 ;;
+    flash-hf) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --hf-points 1x4096 \
+           --hf-budget-s 600 --out "$OUT/bench_flash_hf.json" 2>&1 | quiet | tee "$OUT/bench_flash_hf.log" || rc=1 ;;
+    load) python3 benchmarks/bench_load.py --dir /tmp/dsv4_flash_ckpt --out "$OUT/bench_load.json" 2>&1 | quiet \
+           | tee "$OUT/bench_load.log" || rc=1; rm -rf /tmp/dsv4_flash_ckpt ;;
     spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
     profile) python3 benchmarks/profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json" 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
@@ -90,7 +106,7 @@ for what in "$@"; do
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|demo|bench|flash|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|moe|flash-spec|flash-hf|load|demo|bench|flash|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -80,10 +80,10 @@ def reference(values, scales, bn: int, bk: int, dtype) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64).to(dtype)  # representable: exact
 
 
-def random_fp8(shape, gen) -> torch.Tensor:
-    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+def random_fp8(shape, gen, device="cpu") -> torch.Tensor:
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=device)
     b[(b & 0x7F) == 0x7F] = 0x38  # no NaN codes
-    return b.view(torch.float8_e4m3fn)
+    return b.view(torch.float8_e4m3fn).cpu()
 
 
 def random_scales(shape, kind: str, gen) -> tuple[torch.Tensor, list]:
@@ -441,10 +441,11 @@ BIG = DSV4Config.tiny(hidden_size=256, q_lora_rank=128, o_lora_rank=128, vocab_s
                       moe_intermediate_size=256)
 
 
-def random_official_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random codes in the official layout for every tensor of ``cfg`` (no model needed)."""
-    g = torch.Generator().manual_seed(seed)
-    e8m0 = lambda shape: torch.randint(120, 130, shape, dtype=torch.uint8, generator=g).view(E8M0)  # noqa: E731
+def random_official_tensors(cfg: DSV4Config, seed: int = 0, device="cpu") -> dict[str, torch.Tensor]:
+    """Random codes in the official layout for every tensor of ``cfg`` (no model needed), drawn
+    on ``device`` (benchmarks/bench_load.py draws the Flash slice's 20 GB on the GPU), held on the CPU."""
+    g = torch.Generator(device).manual_seed(seed)
+    e8m0 = lambda shape: torch.randint(120, 130, shape, dtype=torch.uint8, generator=g, device=device).view(E8M0).cpu()  # noqa: E731
     out = {}
     for name, t in DeepseekV4ForCausalLM(cfg, device="meta").state_dict().items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -453,23 +454,24 @@ def random_official_tensors(cfg: DSV4Config, seed: int = 0) -> dict[str, torch.T
             for e in range(E):
                 for w in (("w2",) if name.endswith("down_proj") else ("w1", "w3")):
                     n = rows if w == "w2" else rows // 2
-                    codes = torch.randint(-128, 128, (n, K // 2), dtype=torch.int8, generator=g)
+                    codes = torch.randint(-128, 128, (n, K // 2), dtype=torch.int8, generator=g, device=device).cpu()
                     out[f"{prefix}.{e}.{w}.weight"] = codes
                     out[f"{prefix}.{e}.{w}.scale"] = e8m0((n, math.ceil(K / 32)))
             continue
         key = deepseek_name(name)
         if name.endswith(FP8_LINEARS):
-            out[key] = random_fp8(t.shape, g)
+            out[key] = random_fp8(t.shape, g, device)
             out[key[: -len("weight")] + "scale"] = e8m0((math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128)))
         elif name.endswith("tid2eid"):
-            out[key] = torch.randint(0, cfg.n_routed_experts, t.shape, dtype=torch.int32, generator=g)
+            out[key] = torch.randint(0, cfg.n_routed_experts, t.shape, dtype=torch.int32, generator=g, device=device).cpu()
         else:
-            out[key] = torch.randn(t.shape, generator=g).to(torch.bfloat16 if name.endswith(BF16_TENSORS) else t.dtype)
+            out[key] = torch.randn(t.shape, generator=g, device=device).to(
+                torch.bfloat16 if name.endswith(BF16_TENSORS) else t.dtype).cpu()
     return out
 
 
 MEASURE = textwrap.dedent("""
-    import json, os, resource, sys, time
+    import json, os, sys, time
     import torch, safetensors, dsv4_ops
     from transformers import DeepseekV4Config
     DeepseekV4Config.from_pretrained(sys.argv[1])  # imports done before measuring
@@ -478,10 +480,14 @@ MEASURE = textwrap.dedent("""
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    def peak_rss():  # VmHWM: this process image's own peak (ru_maxrss keeps the parent's across exec)
+        line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+
     before, t0 = rss(), time.perf_counter()
     model = dsv4_ops.load_pretrained(sys.argv[1], dtype=torch.bfloat16)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(json.dumps(dict(before=before, peak=peak, model_bytes=model_bytes, seconds=seconds)))

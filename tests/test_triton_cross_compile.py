@@ -34,6 +34,7 @@ def _launches(backend: str):
     from lowering.triton import cache_write as cw
     from lowering.triton import compress as cp
     from lowering.triton import indexer as ix
+    from lowering.triton import moe_gemv as mg
     from lowering.triton import plan as pl
     from lowering.triton import sinkhorn as sk
     from lowering.triton import sparse_attention as sa
@@ -44,7 +45,7 @@ def _launches(backend: str):
         if spec is not None:
             recorded.append((kernel, spec.args, spec.meta))
 
-    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = record
+    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = mg.launch = record
     meta_dev = torch.device("meta")
 
     def attention(name, B, heads, dim, dtype, num_splits=None, S=1):
@@ -128,6 +129,12 @@ def _launches(backend: str):
             torch.empty(B_DECODE, N_POOL, d, **bf16), m, overlap, 1e-6)
     # mHC Sinkhorn: one decode token per row (hc_mult = 4), 20 iterations
     one("sinkhorn", sk.sinkhorn, torch.empty(B_DECODE, 1, 4, 4, **f32), 20, 1e-6)
+    # routed experts of a batch-1 decode token at V4-Flash widths (top-6 of 256, 4096 x 2048)
+    start = len(recorded)
+    mg.moe_gemv(torch.empty(1, 4096, **bf16), torch.empty(1, 6, dtype=torch.int64, device=meta_dev),
+                torch.empty(1, 6, **f32), torch.empty(256, 4096, 4096, **bf16), torch.empty(256, 4096, 2048, **bf16), 10.0)
+    assert len(recorded) == start + 2, "moe_gemv: gate/up + down"
+    out += [("moe_gate_up",) + recorded[-2], ("moe_down",) + recorded[-1]]
     return out
 
 
@@ -235,7 +242,7 @@ KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combi
            "attention_tiny_fp32", "attention_fp32_decode", "attention_fp32_decode_split",
            "attention_fp32_decode_combine", "attention_fp32_prefill", "indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
            "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
-           "compress_csa", "compress_hca", "compress_indexer", "sinkhorn"]
+           "compress_csa", "compress_hca", "compress_indexer", "sinkhorn", "moe_gate_up", "moe_down"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

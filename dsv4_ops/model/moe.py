@@ -12,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["swiglu", "Router", "Experts", "MLP", "MoE", "SCORE_FUNCS", "route_layout", "grouped_mm_supported"]
+from ..lowering.triton.moe_gemv import MAX_ASSIGNMENTS
+from ..ops._backend import use_triton
+
+__all__ = ["swiglu", "Router", "Experts", "MLP", "MoE", "SCORE_FUNCS", "route_layout", "grouped_mm_supported",
+           "moe_gemv_supported"]
 
 # router scoring functions HF's DeepseekV4 builds (ACT2FN[scoring_func]); it has no "softmax"
 SCORE_FUNCS = {"sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(), "sigmoid": torch.sigmoid}
@@ -80,6 +84,13 @@ def grouped_mm_supported(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> 
     return _cuda_arch_has_grouped_mm(x.device.index)  # a CUDA tensor's device always has its index
 
 
+def moe_gemv_supported(x: Tensor, gate_up_proj: Tensor, n_assignments: int) -> bool:
+    """Whether `Experts` takes the `dsv4::moe_gemv` path: a Triton backend device, weights of the
+    tokens' dtype, and few enough (token, expert) assignments that reading each assignment's expert
+    once costs about what the grouped GEMMs' one read per routed expert does (static facts only)."""
+    return use_triton(x) and x.dtype == gate_up_proj.dtype and 0 < n_assignments <= MAX_ASSIGNMENTS
+
+
 def route_layout(indices: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """The T*K (token, expert) assignments sorted by expert, with static shapes.
 
@@ -144,7 +155,8 @@ class Experts(nn.Module):
     """All routed experts as stacked 3-D weights (HF's fused layout), each token running only its
     top-k: a routed MoE must cost what the routed experts cost (256 experts ~ 8 at equal top-k).
 
-    CUDA bf16 on sm90/sm100: `torch._grouped_mm` over the expert-sorted assignments
+    A few tokens on a Triton device (decode; `moe_gemv_supported`): `dsv4::moe_gemv`, two GEMV
+    launches over each assignment's expert rows. More tokens, CUDA bf16 on sm90/sm100: `torch._grouped_mm` over the expert-sorted assignments
     (`experts_grouped_mm`). Everything else (CPU, fp32, other GPUs): `experts_blocked`, the same
     sorted layout as bmm over per-expert blocks. The path is chosen from device, dtype and shapes
     only; shapes depend on T, K and E, never on the routing, so it traces with fullgraph=True and
@@ -163,6 +175,8 @@ class Experts(nn.Module):
         if T == 0:
             return x.new_zeros(x.shape, dtype=torch.float32)
         w13, w2 = self.gate_up_proj, self.down_proj
+        if moe_gemv_supported(x, w13, T * K):  # a few tokens (decode): two GEMV launches, already weighted
+            return torch.ops.dsv4.moe_gemv(x, indices, weights, w13, w2, float(self.swiglu_limit))
         run = experts_grouped_mm if grouped_mm_supported(x, w13, w2) else experts_blocked
         y = run(x, indices, w13, w2, self.swiglu_limit).view(T, K, -1)
         return (y.float() * weights.float().unsqueeze(-1)).sum(dim=1)

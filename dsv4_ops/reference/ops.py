@@ -33,6 +33,7 @@ __all__ = [
     "indexer_topk",
     "sparse_attention",
     "sinkhorn",
+    "moe_gemv",
     "apply_rope",
     "rms_norm",
 ]
@@ -403,3 +404,28 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+# --------------------------------------------------------------------------------------
+# moe_gemv: routed experts of a few tokens (architecture.md §9)
+# --------------------------------------------------------------------------------------
+def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """``out[t] = sum_k weights[t, k] * expert_{indices[t, k]}(x[t])``, fp32 ``[T, D]``.
+
+    Expert ``e``: ``gate, up = x @ w13[e, :I].T, x @ w13[e, I:].T`` (each rounded to the
+    weights' dtype, as a matmul in that dtype returns it), ``h = silu(min(gate, limit)) *
+    clamp(up, -limit, limit)`` rounded to the weights' dtype, ``y = h @ w2[e].T`` in fp32.
+    An index named twice in a row counts twice (hash layers); an index outside ``[0, E)``
+    contributes zero."""
+    T, K = indices.shape
+    E, I = w13.shape[0], w2.shape[2]
+    flat = indices.reshape(-1).long()
+    routed = (flat >= 0) & (flat < E)
+    e = torch.where(routed, flat, torch.zeros_like(flat))
+    xs = x.float().repeat_interleave(K, dim=0)  # [T*K, D], token-major like ``flat``
+    gu = torch.einsum("nd,nid->ni", xs, w13[e].float()).to(w13.dtype).float()  # [T*K, 2I]
+    gate, up = gu[:, :I], gu[:, I:]
+    h = (torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)).to(w13.dtype).float()
+    y = torch.einsum("ni,ndi->nd", h, w2[e].float())  # [T*K, D]
+    y = y * (weights.reshape(-1).float() * routed.float()).unsqueeze(-1)
+    return y.view(T, K, x.shape[1]).sum(dim=1)

@@ -1,0 +1,75 @@
+"""``dsv4::moe_gemv``: the routed experts of a few tokens (decode), weighted and summed."""
+import torch
+from torch import Tensor
+from torch.library import wrap_triton
+
+from ..lowering.triton import moe_gemv as mg
+from ..lowering.triton.moe_gemv import moe_down_kernel, moe_gate_up_kernel
+from ..reference import ops as ref
+from . import _validate as v
+from ._backend import use_triton
+
+
+@torch.library.triton_op("dsv4::moe_gemv", mutates_args=())
+def _moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    # Also the fake: shape checks, then a static device branch (see _backend.py).
+    torch._check(x.dim() == 2 and indices.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
+                 lambda: "moe_gemv: x [T, D], indices [T, K], w13 [E, 2I, D], w2 [E, D, I]")
+    torch._check(weights.shape == indices.shape and indices.shape[0] == x.shape[0],
+                 lambda: "moe_gemv: indices and weights must be [T, K] of x")
+    torch._check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], lambda: "moe_gemv: D of x and weights differ")
+    torch._check(w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0],
+                 lambda: "moe_gemv: w13 must be [E, 2I, D] and w2 [E, D, I]")
+    if use_triton(x):
+        launches = mg.moe_gemv_launches(x, indices, weights, w13, w2, limit)
+        gate_up, down = launches.gate_up, launches.down
+        if gate_up is not None:
+            wrap_triton(moe_gate_up_kernel)[gate_up.grid](*gate_up.args, **gate_up.meta)
+        if down is not None:
+            wrap_triton(moe_down_kernel)[down.grid](*down.args, **down.meta)
+        return launches.out
+    return ref.moe_gemv(x, indices, weights, w13, w2, limit).contiguous()
+
+
+def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
+    """``out[t] = sum_k weights[t, k] * expert_{indices[t, k]}(x[t])`` for a few tokens.
+
+    Expert ``e`` is the clamped SwiGLU MLP of HF's fused layout: ``gate | up = x @ w13[e].T``,
+    ``h = silu(min(gate, limit)) * clamp(up, -limit, limit)``, ``y = h @ w2[e].T``.
+
+    Args:
+        x: ``[T, D]`` float tokens, the dtype of the weights.
+        indices: ``[T, K]`` int expert ids in ``0 .. E-1``; an id named twice counts twice.
+        weights: ``[T, K]`` float router weights.
+        w13: ``[E, 2I, D]`` gate rows then up rows of every expert.
+        w2: ``[E, D, I]`` down projections.
+        limit: the SwiGLU clamp (V4: 10).
+
+    Returns fp32 ``[T, D]``. On CUDA / ROCm two Triton launches read each assignment's expert
+    weights once (for many tokens the model's grouped GEMMs read each expert once instead).
+    The raw op ``torch.ops.dsv4.moe_gemv`` skips ids outside ``[0, E)`` (zero contribution);
+    this wrapper rejects them.
+    """
+    op = "moe_gemv"
+    v.rank(op, "x", x, "[T, D]")
+    v.rank(op, "indices", indices, "[T, K]")
+    v.rank(op, "weights", weights, "[T, K]")
+    v.rank(op, "w13", w13, "[E, 2I, D]")
+    v.rank(op, "w2", w2, "[E, D, I]")
+    v.floating(op, "x", x)
+    v.floating(op, "weights", weights)
+    v.same_dtype(op, "w13", w13, "x", x)
+    v.same_dtype(op, "w2", w2, "x", x)
+    if indices.dtype not in (torch.int32, torch.int64):
+        v.fail(op, f"indices must be int32 or int64, got {indices.dtype}")
+    v.dim(op, "indices", indices, 0, x.shape[0], "T of x")
+    if weights.shape != indices.shape:
+        v.fail(op, f"weights must have the shape of indices {tuple(indices.shape)}, got {tuple(weights.shape)}")
+    v.dim(op, "w13", w13, 2, x.shape[1], "D of x")
+    v.dim(op, "w2", w2, 0, w13.shape[0], "E of w13")
+    v.dim(op, "w2", w2, 1, x.shape[1], "D of x")
+    v.dim(op, "w13", w13, 1, 2 * w2.shape[2], "2 * I, I from w2")
+    v.same_device(op, x=x, indices=indices, weights=weights, w13=w13, w2=w2)
+    if v.reads_values(indices):
+        v.in_range(op, "indices", indices, 0, w13.shape[0] - 1, f"the experts E={w13.shape[0]}")
+    return torch.ops.dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))
