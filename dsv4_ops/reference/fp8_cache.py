@@ -38,7 +38,7 @@ from torch import Tensor
 
 __all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "PAGE_SIZE", "KVLayout", "IndexerLayout", "scale_exponent",
            "quantize_kv", "dequantize_kv", "simulate_kv", "quantize_keys", "dequantize_keys", "simulate_keys",
-           "rotate", "to_entries", "from_entries", "read_kv", "read_keys", "is_fp8_cache"]
+           "rotate", "to_entries", "from_entries", "read_kv", "read_keys", "is_fp8_cache", "entries"]
 
 QUANT_BLOCK = 64  # nope values per ue8m0 scale (KV format)
 FP8_MAX = 448.0  # largest e4m3fn value
@@ -126,6 +126,11 @@ class IndexerLayout:
 def is_fp8_cache(t: Tensor) -> bool:
     """An FP8 paged cache is a rank-4 uint8 tensor; float caches are rank 3."""
     return t.dtype == torch.uint8 and t.dim() == 4
+
+
+def entries(t: Tensor) -> int:
+    """Entries a cache addresses: ``pages * page`` (FP8) or ``N`` of ``[B, N, C]``."""
+    return t.shape[1] * t.shape[2] if is_fp8_cache(t) else t.shape[1]
 
 
 # --------------------------------------------------------------------------------------
