@@ -66,9 +66,8 @@ def _store_keys_fp8(y, data, scales, BLOCK_D: tl.constexpr):
     """Rotate the indexer key ``y [BLOCK_D]`` (``BLOCK_D == d``, a power of two) by the fast
     Walsh-Hadamard butterfly, then quantise it with one fp32 power-of-two scale."""
     for stage in tl.static_range(12):  # h = 2^stage < BLOCK_D: log2(BLOCK_D) stages
-        h: tl.constexpr = 1 << stage
-        if h < BLOCK_D:
-            pairs = tl.permute(tl.reshape(y, (BLOCK_D // (2 * h), 2, h)), (0, 2, 1))  # [.., h, 2]
+        if (1 << stage) < BLOCK_D:
+            pairs = tl.permute(tl.reshape(y, (BLOCK_D // (2 << stage), 2, 1 << stage)), (0, 2, 1))  # [.., h, 2]
             a, b = tl.split(pairs)
             y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BLOCK_D,))
     y = y * (BLOCK_D ** -0.5)

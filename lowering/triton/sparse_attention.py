@@ -190,9 +190,9 @@ def sparse_attention_kernel(
             code = tl.load(data[:, None] + offs_d[None, :], mask=m_nope, other=0)
             sc = tl.load(scl[:, None] + (offs_d // 64)[None, :], mask=m_nope, other=127)
             rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
-            lo = tl.load(rb, mask=m_rope, other=0)
-            hi8 = tl.load(rb + 1, mask=m_rope, other=0)
-            e = tl.where(is_nope[None, :], fc.e4m3_decode(code) * fc.pow2(sc), fc.bf16_from_bytes(lo, hi8))
+            rope_lo = tl.load(rb, mask=m_rope, other=0)
+            rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
+            e = tl.where(is_nope[None, :], fc.e4m3_decode(code) * fc.pow2(sc), fc.bf16_from_bytes(rope_lo, rope_hi))
             if FP8 == 1:  # window lanes from the float source (concat mode)
                 ew = tl.load(kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
                              mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
