@@ -219,8 +219,8 @@ def make_engine(model, mode: str, batch: int, max_seq_len: int, chunk: int, work
     scratch = workdir is None  # a temp dir, removed once the engine is released
     path = Path(workdir or tempfile.mkdtemp(prefix="dsv4_bench_aoti_")) / f"bench_b{batch}.pt2"
     t0 = time.perf_counter()
-    export(model, str(path), max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk,
-           kv_cache_dtype=kv_cache_dtype)
+    kv = {} if kv_cache_dtype == "auto" else dict(kv_cache_dtype=kv_cache_dtype)  # "auto": the export default
+    export(model, str(path), max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk, **kv)
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = AOTIGenerator(str(path))
@@ -329,15 +329,14 @@ def point(s: str) -> tuple[int, int]:
 def summary(results: dict) -> list[str]:
     """One markdown table: every decode row next to HF at the same point."""
     hf = {(r["batch"], r["context"]): r.get("ms") for r in results["hf"]}
-    lines = ["| mode | KV cache | batch | context | ms | floor ms | floor reached | routed floor ms (experts) | "
-             "HF eager ms | vs HF |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | batch | context | ms | floor ms | floor reached | routed floor ms (experts) | HF eager ms | vs HF "
+             "| KV cache |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results["decode"]:
         h = hf.get((r["batch"], r["context"]))
         hf_ms, vs = ("–", "–") if h is None else (f"{h:.2f}", f"{h / r['ms']:.1f}×")
         routed = f"{r['routed_floor_ms']:.3f} ({r['experts_routed']})" if "routed_floor_ms" in r else "–"
-        lines.append(f"| {r['mode']} | {r.get('kv_cache_dtype', 'auto')} | {r['batch']} | {r['context']} | "
-                     f"{r['ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{r['floor_fraction']:.0%} | {routed} | {hf_ms} | {vs} |")
+        lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['floor_fraction']:.0%} | {routed} | {hf_ms} | {vs} | {r.get('kv_cache_dtype', 'auto')} |")
     return lines
 
 
