@@ -170,3 +170,12 @@ def test_fp8_cache_is_refused_where_it_cannot_be_read():
         meta.setup_caches(1, 16, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"power-of-two index_head_dim"):
         check_kv_cache_dtype("export: kv_cache_dtype", "fp8", DSV4Config.tiny(head_dim=144, index_head_dim=48), "cpu")
+
+
+def test_speculative_decoding_over_the_fp8_cache_keeps_the_greedy_tokens(model):
+    """MTP drafts (the MTP block gets its own FP8 window) + verify steps over FP8 caches: the same
+    tokens as plain greedy decoding over FP8 caches."""
+    kw = dict(max_batch_size=2, max_seq_len=80, prefill_chunk=16, compile=False, kv_cache_dtype="fp8")
+    prompts = [[3, 1, 4, 1, 5], list(range(30))]
+    plain = Generator(model, **kw).generate(prompts, max_new_tokens=16)
+    assert Generator(model, spec_steps=2, **kw).generate(prompts, max_new_tokens=16) == plain
