@@ -35,6 +35,7 @@ caches (6 graphs compiles of ~20 s, 2.4M prefill tokens at batch 64, HF <= 60 s)
     python3 benchmarks/bench_model.py --aoti --batches 1 8 --out out/aoti.json # AOTI (gpu_check.sh aoti)
     python3 benchmarks/bench_model.py --smoke --out /tmp/bench_model.json     # tiny config, eager, CPU: seconds
     python3 benchmarks/bench_model.py --config flash-slice --out out/flash_slice.json   # the Flash slice
+    python3 benchmarks/bench_model.py --kv-cache-dtype bf16 fp8 --modes graphs --out out/fp8.json   # FP8 vs bf16
 """
 from __future__ import annotations
 
@@ -206,17 +207,20 @@ def aoti_api():
     return dsv4_ops.export, dsv4_ops.AOTIGenerator
 
 
-def make_engine(model, mode: str, batch: int, max_seq_len: int, chunk: int, workdir: Path | None) -> tuple:
+def make_engine(model, mode: str, batch: int, max_seq_len: int, chunk: int, workdir: Path | None,
+                kv_cache_dtype: str = "auto") -> tuple:
     """``(engine, setup dict)``: a ``Generator`` in ``mode``, or for ``"aoti"`` an exported and
-    loaded ``AOTIGenerator`` (the setup dict has ``export_s`` and ``load_s``)."""
+    loaded ``AOTIGenerator`` (the setup dict has ``export_s`` and ``load_s``); the KV pool in
+    ``kv_cache_dtype`` (``"auto"`` = the model's dtype, ``"bf16"``, ``"fp8"``)."""
     if mode != "aoti":
         return Generator(model, max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk,
-                         **MODES[mode]), {}
+                         kv_cache_dtype=kv_cache_dtype, **MODES[mode]), {}
     export, AOTIGenerator = aoti_api()
     scratch = workdir is None  # a temp dir, removed once the engine is released
     path = Path(workdir or tempfile.mkdtemp(prefix="dsv4_bench_aoti_")) / f"bench_b{batch}.pt2"
     t0 = time.perf_counter()
-    export(model, str(path), max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk)
+    kv = {} if kv_cache_dtype == "auto" else dict(kv_cache_dtype=kv_cache_dtype)  # "auto": the export default
+    export(model, str(path), max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=chunk, **kv)
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = AOTIGenerator(str(path))
@@ -232,8 +236,10 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, log) -> tuple[list[dict], dict]:
-    """One engine at batch ``batch``: its prefill row and one decode row per context."""
+def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, log,
+                 kv_cache_dtype: str = "auto") -> tuple[list[dict], dict]:
+    """One engine at batch ``batch`` (KV pool in ``kv_cache_dtype``): its prefill row and one
+    decode row per context, each tagged with the cache dtype."""
     dev = model.device
     prompt_len = args.prefill_len if batch == 1 else max(args.prefill_len // 4, 1)
     chunk = args.prefill_chunk or (512 if batch == 1 else 64)
@@ -243,7 +249,9 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
     def prompts(n: int) -> list[list[int]]:
         return torch.randint(0, cfg.vocab_size, (batch, n), generator=rng).tolist()
 
-    engine, setup = make_engine(model, mode, batch, max_seq_len, chunk, args.aoti_dir)
+    engine, setup = make_engine(model, mode, batch, max_seq_len, chunk, args.aoti_dir, kv_cache_dtype)
+    setup = dict(setup, kv_cache_dtype=kv_cache_dtype) if setup else setup
+    log(f"  KV cache: {kv_cache_dtype}, {model.cache_nbytes() / 2**30:.2f} GiB")
     scratch = setup.pop("_scratch", None)
     if setup:
         log(f"  {mode} B={batch}: export {setup['export_s']:.0f} s, load {setup['load_s']:.1f} s")
@@ -326,14 +334,14 @@ def point(s: str) -> tuple[int, int]:
 def summary(results: dict) -> list[str]:
     """One markdown table: every decode row next to HF at the same point."""
     hf = {(r["batch"], r["context"]): r.get("ms") for r in results["hf"]}
-    lines = ["| mode | batch | context | ms | floor ms | floor reached | routed floor ms (experts) | HF eager ms | vs HF |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | batch | context | ms | floor ms | floor reached | routed floor ms (experts) | HF eager ms | vs HF "
+             "| KV cache |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results["decode"]:
         h = hf.get((r["batch"], r["context"]))
         hf_ms, vs = ("–", "–") if h is None else (f"{h:.2f}", f"{h / r['ms']:.1f}×")
         routed = f"{r['routed_floor_ms']:.3f} ({r['experts_routed']})" if "routed_floor_ms" in r else "–"
         lines.append(f"| {r['mode']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{r['floor_fraction']:.0%} | {routed} | {hf_ms} | {vs} |")
+                     f"{r['floor_fraction']:.0%} | {routed} | {hf_ms} | {vs} | {r.get('kv_cache_dtype', 'auto')} |")
     return lines
 
 
@@ -366,6 +374,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=2, help="main-model layers of the bench config")
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager, small grid: a seconds-long check")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "bf16", "fp8"], default=["auto"],
+                    help="KV pool dtype(s) to time (each one its own engines and rows; fp8 = FlashMLA's V4 layout; "
+                         "not with --smoke, whose tiny config has 48 nope dims)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     defaults = dict(batches=[1, 2] if smoke else [1, 8, 64], contexts=[40] if smoke else [4096, 32768],
@@ -409,17 +420,19 @@ def main(argv=None, log=None) -> dict:
         out.write_text(json.dumps(results, indent=1))
 
     log(f"bench_model ({meta['config']} config, {meta['engine']}) on {meta['device']}, torch {meta['torch']}")
-    jobs: dict[tuple[str, int], list[int]] = {(m, B): list(args.contexts) for m in args.modes for B in args.batches}
+    jobs: dict[tuple[str, int, str], list[int]] = {(m, B, kv): list(args.contexts) for kv in args.kv_cache_dtype
+                                                   for m in args.modes for B in args.batches}
     for s in args.compare_at:
         B, ctx = point(s)
         for m in args.compare_modes:
-            jobs.setdefault((m, B), [])
-            if ctx not in jobs[(m, B)]:
-                jobs[(m, B)].append(ctx)
-    for (mode, B), contexts in jobs.items():
-        rows, prefill = bench_engine(model, cfg, mode, B, contexts, args, log)
-        results["decode"] += rows
-        results["prefill"].append(prefill)
+            for kv in args.kv_cache_dtype:
+                jobs.setdefault((m, B, kv), [])
+                if ctx not in jobs[(m, B, kv)]:
+                    jobs[(m, B, kv)].append(ctx)
+    for (mode, B, kv), contexts in jobs.items():
+        rows, prefill = bench_engine(model, cfg, mode, B, contexts, args, log, kv)
+        results["decode"] += [dict(r, kv_cache_dtype=kv) for r in rows]
+        results["prefill"].append(dict(prefill, kv_cache_dtype=kv))
         save()
     del model
     release(device)

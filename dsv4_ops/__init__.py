@@ -9,10 +9,13 @@ from pathlib import Path as _Path
 
 def _expose_checkout_lowering() -> None:
     """In a source checkout that is not pip-installed, make ``../lowering`` importable as
-    ``dsv4_ops.lowering`` (what setup.py's ``package_dir`` does on install)."""
-    if _ilu.find_spec(__name__ + ".lowering") is not None:
-        return
+    ``dsv4_ops.lowering`` (what setup.py's ``package_dir`` does on install). The checkout's
+    own ``../lowering`` wins over an installed one: an editable install made from another
+    checkout (a git worktree sharing the venv) would otherwise pair this package with that
+    checkout's kernels."""
     root = _Path(__file__).resolve().parent.parent / "lowering"
+    if not (root / "__init__.py").is_file() and _ilu.find_spec(__name__ + ".lowering") is not None:
+        return
     spec = _ilu.spec_from_file_location(__name__ + ".lowering", root / "__init__.py",
                                         submodule_search_locations=[str(root)])
     module = _ilu.module_from_spec(spec)

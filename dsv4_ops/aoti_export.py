@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .model.attention import AttentionState
+from .model.kv_cache_dtype import check_kv_cache_dtype
 from .ops._validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
@@ -47,7 +48,7 @@ FORMAT = "1"
 PROGRAMS = ("prefill", "decode")
 SPEC_PROGRAMS = ("spec_prefill", "spec")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
-           "int64": torch.int64}
+           "int64": torch.int64, "uint8": torch.uint8}  # uint8: FP8 cache pages
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -112,14 +113,16 @@ class _SpecStep(_SpecProgram):
 
 
 def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-           prefill_chunk: int = 64, *, verbose: bool = True) -> str:
+           prefill_chunk: int = 64, *, verbose: bool = True, kv_cache_dtype: str = "auto") -> str:
     """Export ``model`` (a ``dsv4_ops.DeepseekV4ForCausalLM``, on the device the package will run
     on) as ONE ``.pt2`` package (see the module docstring) for batches of up to
     ``max_batch_size`` requests of up to ``max_seq_len`` tokens, prefilled in chunks of
     ``prefill_chunk``; ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per
     step). Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
     ``build/dsv4_run``. Compiling takes tens of seconds to minutes per program on a CPU, about a
-    minute on a GPU; ``verbose`` prints one progress line per program.
+    minute on a GPU; ``verbose`` prints one progress line per program. ``kv_cache_dtype``
+    (``"auto"`` = the model's dtype, ``"bf16"``, ``"fp8"``) fixes the pool's layout in the package
+    (``dsv4.kv_cache_dtype``; ``AOTIGenerator`` allocates what ``dsv4.cache`` lists).
     """
     path = os.fspath(path)
     if not path.endswith(".pt2"):
@@ -132,6 +135,9 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     if k and len(model.mtp) == 0:
         raise ValueError("export: spec_steps > 0 needs the model's MTP block (config.num_nextn_predict_layers >= 1)")
     cfg, device, dtype = model.config, model.device, model.dtype
+    kv_cache_dtype = check_kv_cache_dtype("export: kv_cache_dtype", kv_cache_dtype, cfg, device)
+    fp8_cache = kv_cache_dtype == "fp8"
+    cache_dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else dtype
     model = model.eval()
     # a speculative step may write k + 1 positions past a request's last token (as in Generator)
     capacity = max_seq_len + 2 * (k + 1) if k else max_seq_len
@@ -139,13 +145,14 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
         model.set_max_positions(capacity)
     B = max_batch_size
     rings, mtp_rings = ring_sizes(cfg, k), ring_sizes(cfg, k + 1)
-    states = [layer.self_attn.new_state(B, capacity, rings, dtype, device) for layer in model.model.layers]
+    states = [layer.self_attn.new_state(B, capacity, rings, cache_dtype, device, fp8_cache) for layer in model.model.layers]
     layout = [list(st.tensors()) for st in states]
     cache = [t for st in states for t in st.tensors().values()]
     lengths = torch.zeros(B, dtype=torch.int32, device=device)
     metadata = {"dsv4.format": FORMAT, "dsv4.max_batch_size": str(B), "dsv4.max_seq_len": str(max_seq_len),
                 "dsv4.prefill_chunk": str(prefill_chunk), "dsv4.vocab_size": str(cfg.vocab_size),
-                "dsv4.spec_steps": str(k), "dsv4.device": device.type, "dsv4.cache": cache_spec(cache)}
+                "dsv4.spec_steps": str(k), "dsv4.device": device.type, "dsv4.cache": cache_spec(cache),
+                "dsv4.kv_cache_dtype": kv_cache_dtype}
     ids_c = torch.zeros(B, prefill_chunk, dtype=torch.long, device=device)
     full = torch.full((B,), prefill_chunk, dtype=torch.int32, device=device)
     ones = torch.ones(B, dtype=torch.int32, device=device)
@@ -153,7 +160,7 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     programs = {"prefill": (cached, (ids_c, full, lengths, cache)),
                 "decode": (cached, (torch.zeros(B, dtype=torch.long, device=device), ones, lengths, cache))}
     if k:
-        mtp_state = model.mtp[0].self_attn.new_state(B, capacity, mtp_rings, dtype, device)
+        mtp_state = model.mtp[0].self_attn.new_state(B, capacity, mtp_rings, cache_dtype, device, fp8_cache)
         mtp_layout, mtp_cache = [list(mtp_state.tensors())], list(mtp_state.tensors().values())
         h_last = torch.zeros(B, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device)
         metadata.update({"dsv4.mtp_cache": cache_spec(mtp_cache), "dsv4.h_last": cache_spec([h_last])})
@@ -191,7 +198,7 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     finally:
         if saved_cache is not None:
             model.setup_caches(saved_cache.max_batch_size, saved_cache.max_seq_len, saved_cache.lookahead,
-                               saved_cache.mtp, saved_cache.dtype)
+                               saved_cache.mtp, saved_cache.dtype, saved_cache.kv_cache_dtype)
     return path
 
 

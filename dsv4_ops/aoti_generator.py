@@ -38,7 +38,8 @@ class AOTIGenerator(GenerationLoop):
 
     Args:
         path: a ``.pt2`` from ``dsv4_ops.export``. Its limits are fixed at export and read from
-            it: ``max_batch_size``, ``max_seq_len``, ``prefill_chunk``, ``spec_steps``.
+            it: ``max_batch_size``, ``max_seq_len``, ``prefill_chunk``, ``spec_steps``,
+            ``kv_cache_dtype`` (``export(..., kv_cache_dtype="fp8")`` packages an FP8 pool).
         device: where to run; default the device it was exported for (``cuda:N`` picks the GPU).
         cuda_graphs: replay decode / speculative steps as CUDA graphs (None = on for CUDA packages).
         speculative: use the package's MTP speculative programs in ``generate`` (None = when the
@@ -65,6 +66,7 @@ class AOTIGenerator(GenerationLoop):
         self.prefill_chunk = int(meta["dsv4.prefill_chunk"])
         self.vocab_size = int(meta["dsv4.vocab_size"])
         self.spec_steps = int(meta["dsv4.spec_steps"])
+        self.kv_cache_dtype = meta.get("dsv4.kv_cache_dtype", "auto")  # fixed at export (its pool layout)
         exported_on = meta["dsv4.device"]
         self.device = torch.device(device if device is not None else exported_on)
         if self.device.type != exported_on:

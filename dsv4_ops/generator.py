@@ -53,6 +53,8 @@ class Generator(GenerationLoop):
         compile: ``torch.compile(fullgraph=True)`` the model's step (a bool).
         cuda_graphs: replay the compiled steps as CUDA graphs (None = on when compiling a CUDA model).
         prefill_chunk: tokens per prefill step (long prompts run in several steps).
+        kv_cache_dtype: what the KV pool stores: ``"auto"`` (the model's dtype), ``"bf16"`` or
+            ``"fp8"`` (FlashMLA's FP8 V4 layout; ``model.setup_caches``).
 
     >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
     >>> [len(t) for t in gen.generate([[1, 2, 3], [4]], max_new_tokens=5)]
@@ -61,7 +63,7 @@ class Generator(GenerationLoop):
 
     def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
                  compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64,
-                 _draft: str = "mtp") -> None:
+                 kv_cache_dtype: str = "auto", _draft: str = "mtp") -> None:
         check_int("spec_steps", spec_steps, 0)
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
@@ -82,7 +84,7 @@ class Generator(GenerationLoop):
         # accepted token (rejected drafts), so the pool has that much slack past max_seq_len
         capacity = max_seq_len + 2 * (spec_steps + 1) if spec_steps else max_seq_len
         self._cache_args = dict(max_batch_size=max_batch_size, max_seq_len=capacity, lookahead=spec_steps,
-                                mtp=spec_steps > 0 and len(model.mtp) > 0)
+                                mtp=spec_steps > 0 and len(model.mtp) > 0, kv_cache_dtype=kv_cache_dtype)
         model.setup_caches(**self._cache_args)
         # auto: CUDA graphs whenever the steps are compiled for a CUDA model
         self.cuda_graphs = (self.device.type == "cuda" and compile) if cuda_graphs is None else cuda_graphs

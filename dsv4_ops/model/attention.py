@@ -19,6 +19,13 @@ on the output -> grouped ``o_a_proj`` -> ``o_b_proj``. Everything position-depen
 addressed by absolute position (DESIGN.md rule 3). Math in fp32 like HF; projections run in
 the input dtype. The raw ops are called directly: the model's boundary (``forward``, the
 generators) checks what it passes them.
+
+FP8 cache (``kv_cache_dtype="fp8"``, ``dsv4_ops/reference/fp8_cache.py``): the window ring and
+the compressed pools are FP8 pages (``cache_write`` / ``compress`` quantise, ``sparse_attention``
+reads them), the indexer keys are Hadamard-rotated FP8 (the indexer queries are rotated to
+match). Every kv the step attends to is the quantised one, also the step's own new rows in
+concat mode. ``quant_sim`` (the reference numerics, ``model.simulate_fp8_cache``) gives float
+caches exactly those values: quantise -> dequantise on write.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CSA, HCA, SLIDING, DSV4Config
+from ..reference import fp8_cache as fp8
 from ..reference.ops import apply_rope, rms_norm
 from .plan import RingSizes, StepMeta, ring_sizes
 
@@ -41,7 +49,9 @@ dsv4 = torch.ops.dsv4
 class AttentionState:
     """Static cache of one attention layer for ``B`` rows (all tensors allocated once).
 
-    window:            ``[B, Rw, D]`` roped kv, position ``p`` at slot ``p % Rw``.
+    window:            ``[B, Rw, D]`` roped kv, position ``p`` at slot ``p % Rw`` (FP8 cache:
+                       ``uint8 [B, pages, page, bytes]`` pages, ``fp8_cache.py``; so are
+                       ``pool`` and ``idx_pool``).
     kv_ring/gate_ring: ``[B, Rc, c*D]`` fp32 compressor inputs (gate includes
                        ``position_bias[p % m]``), position ``p`` at slot ``p % Rc``.
     pool:              ``[B, N, D]`` compressed entries, entry ``i`` at index ``i``.
@@ -168,16 +178,28 @@ class Attention(nn.Module):
         self.register_buffer("cos", rope[0], persistent=False)
         self.register_buffer("sin", rope[1], persistent=False)
         self._cache_names: tuple[str, ...] = ()
+        self.quant_sim = False  # reference FP8 numerics on float caches (model.simulate_fp8_cache)
 
     # ---------------------------------------------------------------- state
     def new_state(self, batch_size: int, max_seq_len: int, rings: RingSizes | None = None,
-                  dtype: torch.dtype = torch.float32, device=None) -> AttentionState:
+                  dtype: torch.dtype = torch.float32, device=None, fp8_cache: bool = False) -> AttentionState:
         """A zero-filled state for ``batch_size`` rows of up to ``max_seq_len`` tokens (the ops
         never give weight to a slot that was not written). Plain tensor ops: it also runs inside
-        a compiled graph (the cache-free forward's scratch state)."""
+        a compiled graph (the cache-free forward's scratch state). ``fp8_cache``: window and
+        pools in the FP8 page layouts (pools: ``fp8_cache.PAGE_SIZE`` entries per page)."""
         rings = rings or ring_sizes(self.cfg)
         B, D = batch_size, self.head_dim
-        st = AttentionState(window=torch.zeros(B, rings.window, D, dtype=dtype, device=device))
+        kv_layout = fp8.KVLayout(D, self.cfg.rope_head_dim) if fp8_cache else None
+        # the window ring is ONE page of exactly Rw entries per row: concat mode addresses the
+        # step's new rows at Rw + j, after the ring's rows (SGLang's SWA page is 128 = the ring too)
+        win_layout = fp8.KVLayout(D, self.cfg.rope_head_dim, rings.window) if fp8_cache else None
+
+        def kv_buffer(n: int, width: int, layout) -> Tensor:
+            if layout is None:
+                return torch.zeros(B, n, width, dtype=dtype, device=device)
+            return torch.zeros(layout.shape(B, n), dtype=torch.uint8, device=device)
+
+        st = AttentionState(window=kv_buffer(rings.window, D, win_layout))
         c = self.compressor
         if c is not None:
             R = rings.csa if self.layer_type == CSA else rings.hca
@@ -185,19 +207,20 @@ class Attention(nn.Module):
             width = (2 if c.overlap else 1) * D
             st.kv_ring = torch.zeros(B, R, width, dtype=torch.float32, device=device)
             st.gate_ring = torch.zeros(B, R, width, dtype=torch.float32, device=device)
-            st.pool = torch.zeros(B, n, D, dtype=dtype, device=device)
+            st.pool = kv_buffer(n, D, kv_layout)
             if c.indexer is not None:
                 DI = c.indexer.dim
                 st.idx_kv_ring = torch.zeros(B, R, 2 * DI, dtype=torch.float32, device=device)
                 st.idx_gate_ring = torch.zeros(B, R, 2 * DI, dtype=torch.float32, device=device)
-                st.idx_pool = torch.zeros(B, n, DI, dtype=dtype, device=device)
+                st.idx_pool = kv_buffer(n, DI, fp8.IndexerLayout(DI) if fp8_cache else None)
         return st
 
-    def setup_cache(self, batch_size: int, max_seq_len: int, rings: RingSizes, dtype: torch.dtype) -> None:
+    def setup_cache(self, batch_size: int, max_seq_len: int, rings: RingSizes, dtype: torch.dtype,
+                    fp8_cache: bool = False) -> None:
         """Register this layer's cache as non-persistent buffers (``state_dict`` is unchanged;
         ``module.to(device)`` moves them)."""
         self.clear_cache()
-        state = self.new_state(batch_size, max_seq_len, rings, dtype, self.q_a_proj.weight.device)
+        state = self.new_state(batch_size, max_seq_len, rings, dtype, self.q_a_proj.weight.device, fp8_cache)
         for name, t in state.tensors().items():
             self.register_buffer(name, t, persistent=False)
         self._cache_names = tuple(state.tensors())
@@ -247,6 +270,9 @@ class Attention(nn.Module):
         q, qr, kv = self.q_kv(x, cos, sin)
 
         c = self.compressor
+        is_fp8 = fp8.is_fp8_cache(state.window)  # static: the state's layout
+        sim = self.quant_sim and not is_fp8
+        rope = self.cfg.rope_head_dim
         cmp = kv.new_zeros(B, 0, self.head_dim)
         cmp_idx = torch.full((B, S, 0), -1, dtype=torch.int32, device=x.device)
         cmp_len = torch.zeros(B, S, dtype=torch.int32, device=x.device)
@@ -255,19 +281,31 @@ class Attention(nn.Module):
             emit, write, visible = ((plan.csa_emit, plan.csa_write, plan.csa_len) if csa
                                     else (plan.hca_emit, plan.hca_write, plan.hca_len))
             c.step(x, pos, start, emit, write, state.kv_ring, state.gate_ring, state.pool, self.cos, self.sin)
+            if sim:
+                _simulate_rows(state.pool, emit, lambda e: fp8.simulate_kv(e, rope))
             cmp = state.pool
             if csa:
                 idx = c.indexer
                 idx.step(x, pos, start, emit, write, state.idx_kv_ring, state.idx_gate_ring, state.idx_pool,
                          self.cos, self.sin)
+                if sim:
+                    _simulate_rows(state.idx_pool, emit, fp8.simulate_keys)
                 qI, w = idx.queries(x, qr, cos, sin)
+                if is_fp8 or sim:  # the keys are stored rotated: rotate the queries alike
+                    qI = fp8.rotate(qI).to(qI.dtype)
                 cmp_idx = dsv4.indexer_topk(qI, w, state.idx_pool, visible, idx.topk)
             else:
                 cmp_len = visible
 
-        kv = kv.to(state.window.dtype)
-        src = torch.cat([state.window, kv], dim=1) if meta.concat else state.window
-        dsv4.cache_write(state.window, kv, plan.win_write)  # concat mode: src was copied before
+        if is_fp8:
+            # concat mode attends over the dequantised ring + the new rows as the cache will hold them
+            src = (torch.cat([fp8.read_kv(state.window, self.head_dim).to(kv.dtype), fp8.simulate_kv(kv, rope)], dim=1)
+                   if meta.concat else state.window)
+            dsv4.cache_write(state.window, kv, plan.win_write)  # quantises on write
+        else:
+            kv = fp8.simulate_kv(kv, rope).to(state.window.dtype) if sim else kv.to(state.window.dtype)
+            src = torch.cat([state.window, kv], dim=1) if meta.concat else state.window
+            dsv4.cache_write(state.window, kv, plan.win_write)  # concat mode: src was copied before
         o = dsv4.sparse_attention(q, src, plan.win_idx, cmp, cmp_idx, cmp_len, self.sinks, self.scale)
         return self.out(o, cos, sin)
 
@@ -275,5 +313,14 @@ class Attention(nn.Module):
         """Ring sizes of ``state`` (rates this layer does not use get the defaults)."""
         default = ring_sizes(self.cfg)
         rc = state.kv_ring.shape[1] if state.kv_ring is not None else 0
-        return RingSizes(window=state.window.shape[1], csa=rc if self.layer_type == CSA else default.csa,
+        window = fp8.entries(state.window)
+        return RingSizes(window=window, csa=rc if self.layer_type == CSA else default.csa,
                          hca=rc if self.layer_type == HCA else default.hca)
+
+
+def _simulate_rows(pool: Tensor, slots: Tensor, simulate) -> None:
+    """Reference FP8 numerics on a float pool: the rows just written at ``slots [B, E]`` (-1 = none)
+    become ``simulate(rows)``, what an FP8 pool would give back."""
+    B, E = slots.shape
+    rows = torch.gather(pool, 1, slots.clamp(min=0).long()[..., None].expand(B, E, pool.shape[-1]))
+    dsv4.cache_write(pool, simulate(rows).to(pool.dtype), slots)

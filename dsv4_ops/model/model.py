@@ -32,6 +32,7 @@ from ..reference.rope import rope_tables
 from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
 from .hyper_connection import HyperHead
+from .kv_cache_dtype import check_kv_cache_dtype
 from .mtp import MTPBlock
 from .moe import SCORE_FUNCS
 from .plan import RingSizes, StepMeta, plan_step, ring_sizes
@@ -53,6 +54,7 @@ class CacheConfig(NamedTuple):
     dtype: torch.dtype
     rings: RingSizes
     mtp_rings: RingSizes
+    kv_cache_dtype: str = "auto"  # "auto" | "bf16" | "fp8" (kv_cache_dtype.py)
 
 
 class DeepseekV4Model(nn.Module):
@@ -149,7 +151,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ caches
     def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0, mtp: bool = False,
-                     dtype: torch.dtype | None = None) -> CacheConfig:
+                     dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto") -> CacheConfig:
         """Allocate the KV pool once, as non-persistent buffers of each attention layer: window
         rings, compressor-input rings, compressed pools and indexer-key pools for
         ``max_batch_size`` rows of up to ``max_seq_len`` positions (RoPE tables grow to match).
@@ -157,7 +159,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         ``lookahead``: extra ring slots so steps of ``1 + lookahead`` tokens (speculative verify)
         run in ring mode. ``mtp``: also give the MTP block a window ring (one slot more, see
         ``speculative.py``). ``dtype``: of the window and pools (default: the model's; the
-        compressor-input rings are fp32). Calling it again with the same arguments keeps the
+        compressor-input rings are fp32). ``kv_cache_dtype``: ``"auto"`` (``dtype``), ``"bf16"``, or
+        ``"fp8"`` -- FlashMLA's FP8 V4 page layout for window rings and compressed pools, FP8
+        indexer keys (``dsv4_ops/reference/fp8_cache.py``; ``kv_cache_dtype.py`` says where it
+        runs). Calling it again with the same arguments keeps the
         pool (compiled graphs stay valid); other arguments re-allocate it. ``state_dict`` is
         unchanged; ``model.to(device)`` moves the pool with the weights.
         """
@@ -167,23 +172,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         if mtp and len(self.mtp) == 0:
             raise ValueError("setup_caches: mtp=True but the model has no MTP block "
                              "(config.num_nextn_predict_layers = 0)")
-        dtype = dtype or self.dtype
+        kv_cache_dtype = check_kv_cache_dtype("setup_caches: kv_cache_dtype", kv_cache_dtype, self.config,
+                                              self.device)
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else dtype or self.dtype
+        fp8_cache = kv_cache_dtype == "fp8"
         cfg = self.config
         want = CacheConfig(max_batch_size, max_seq_len, lookahead, mtp, dtype, ring_sizes(cfg, lookahead),
-                           ring_sizes(cfg, lookahead + 1))
+                           ring_sizes(cfg, lookahead + 1), kv_cache_dtype)
         if want == self.cache_config and all(layer.self_attn.has_cache for layer in self.model.layers):
             return want
         if max_seq_len > self.max_positions:
             self.set_max_positions(max_seq_len)
         for layer in self.model.layers:
-            layer.self_attn.setup_cache(max_batch_size, max_seq_len, want.rings, dtype)
+            layer.self_attn.setup_cache(max_batch_size, max_seq_len, want.rings, dtype, fp8_cache)
         for blk in self.mtp:
             if mtp:
-                blk.self_attn.setup_cache(max_batch_size, max_seq_len, want.mtp_rings, dtype)
+                blk.self_attn.setup_cache(max_batch_size, max_seq_len, want.mtp_rings, dtype, fp8_cache)
             else:
                 blk.self_attn.clear_cache()
         self.cache_config = want
         return want
+
+    def simulate_fp8_cache(self, enabled: bool = True) -> None:
+        """Reference FP8 numerics on float caches (the oracle of ``kv_cache_dtype="fp8"``): every
+        row written to a window ring or compressed pool becomes what the FP8 cache would give
+        back (quantise -> dequantise, ``fp8_cache.simulate_kv``), indexer keys are rotated and
+        quantised (``simulate_keys``) and the indexer queries rotated. Applies to the cache-free
+        forward and to float caches; an FP8 cache is quantised anyway."""
+        for attn in self._attention_layers():
+            attn.quant_sim = bool(enabled)
 
     def clear_caches(self) -> None:
         """Free the KV pool."""

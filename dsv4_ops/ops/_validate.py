@@ -65,6 +65,29 @@ def at_least(op: str, name: str, value: int, minimum: int, why: str = "") -> Non
         fail(op, f"{name} must be >= {minimum}{' ' + why if why else ''}, got {value}")
 
 
+def fp8_kv_cache(op: str, name: str, t: Tensor, dim: int) -> None:
+    """An FP8 KV cache ``uint8 [B, pages, page, entry_bytes]`` of ``dim``-wide entries."""
+    from ..reference.fp8_cache import KVLayout
+
+    if t.dim() != 4:
+        fail(op, f"{name} (FP8 KV cache) must have rank 4 [B, pages, page, entry_bytes], got shape {tuple(t.shape)}")
+    try:
+        KVLayout.of(t, dim)
+    except ValueError as e:
+        fail(op, f"{name}: {e}")
+
+
+def fp8_key_cache(op: str, name: str, t: Tensor, dim: int) -> None:
+    """An FP8 indexer-key cache ``uint8 [B, pages, page, dim + 4]``."""
+    if t.dim() != 4 or t.shape[3] != dim + 4:
+        fail(op, f"{name} (FP8 indexer keys) must be [B, pages, page, DI + 4 = {dim + 4}], got shape {tuple(t.shape)}")
+
+
+def entries(t: Tensor) -> int:
+    """Rows of a ring / pool: ``N`` of ``[B, N, C]``, ``pages * page`` of an FP8 cache."""
+    return t.shape[1] * t.shape[2] if t.dtype == torch.uint8 and t.dim() == 4 else t.shape[1]
+
+
 # ---- value checks: eager only ---------------------------------------------------------
 def reads_values(*tensors: Tensor) -> bool:
     """True when value checks may read these tensors: eager, real data, not capturing."""

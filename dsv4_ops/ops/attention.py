@@ -5,6 +5,7 @@ from torch.library import wrap_triton
 
 from ..lowering.triton import sparse_attention as sa
 from ..lowering.triton.sparse_attention import combine_kernel, sparse_attention_kernel
+from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
 from ._backend import use_triton
@@ -15,16 +16,18 @@ def _sparse_attention(
     q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
 ) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py).
-    torch._check(q.dim() == 4 and kv.dim() == 3 and cmp.dim() == 3,
-                 lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D]")
+    # kv / cmp may be FP8 paged caches (rank-4 uint8, static): dequantised where they are read
+    kv8, cmp8 = fp8.is_fp8_cache(kv), fp8.is_fp8_cache(cmp)
+    torch._check(q.dim() == 4 and (kv.dim() == 3 or kv8) and (cmp.dim() == 3 or cmp8),
+                 lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D] (or FP8 caches)")
     torch._check(kv_idx.dim() == 3 and cmp_idx.dim() == 3 and cmp_len.dim() == 2 and sink.dim() == 1,
                  lambda: "sparse_attention: kv_idx [B, S, W], cmp_idx [B, S, K], cmp_len [B, S], sink [H]")
     torch._check(kv.shape[0] == q.shape[0] and cmp.shape[0] == q.shape[0],
                  lambda: "sparse_attention: B of kv / cmp and q differ")
     torch._check(kv_idx.shape[:2] == q.shape[:2] and cmp_idx.shape[:2] == q.shape[:2]
                  and cmp_len.shape == q.shape[:2], lambda: "sparse_attention: [B, S] of the indices and q differ")
-    torch._check(kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
-    torch._check(cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
+    torch._check(kv8 or kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
+    torch._check(cmp8 or cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
     if use_triton(q):
         launches = sa.attention_launches(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
@@ -55,9 +58,11 @@ def sparse_attention(
     Args:
         q: ``[B, S, H, D]`` float queries.
         kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode),
-            same dtype as ``q``.
+            same dtype as ``q``; or an FP8 KV cache ``uint8 [B, pages, page, entry_bytes]``
+            (``N = pages * page``, ``dsv4_ops/reference/fp8_cache.py``; then ``cmp`` is FP8 too).
         kv_idx: ``[B, S, W] int32`` rows of ``kv``, ``-1`` or ``0 .. N-1``.
-        cmp: ``[B, Nc, D]`` compressed pool, same dtype as ``q``; ``Nc`` may be 0.
+        cmp: ``[B, Nc, D]`` compressed pool, same dtype as ``q``; ``Nc`` may be 0. Or an FP8
+            KV cache (``Nc = pages * page``).
         cmp_idx: ``[B, S, K] int32`` picked entries (CSA), ``-1`` or ``0 .. Nc-1``; ``K`` may be 0.
         cmp_len: ``[B, S] int32`` dense-prefix length in ``0 .. Nc`` (HCA; 0 otherwise).
         sink: ``[H] float32`` per-head sink logit (a zero value vector).
@@ -67,31 +72,40 @@ def sparse_attention(
     """
     op = "sparse_attention"
     v.rank(op, "q", q, "[B, S, H, D]")
-    v.rank(op, "kv", kv, "[B, N, D]")
+    if kv.dtype != torch.uint8:
+        v.rank(op, "kv", kv, "[B, N, D]")
     v.rank(op, "kv_idx", kv_idx, "[B, S, W]")
-    v.rank(op, "cmp", cmp, "[B, Nc, D]")
+    if cmp.dtype != torch.uint8:
+        v.rank(op, "cmp", cmp, "[B, Nc, D]")
     v.rank(op, "cmp_idx", cmp_idx, "[B, S, K]")
     v.rank(op, "cmp_len", cmp_len, "[B, S]")
     v.rank(op, "sink", sink, "[H]")
     v.floating(op, "q", q)
-    v.same_dtype(op, "kv", kv, "q", q)
-    v.same_dtype(op, "cmp", cmp, "q", q)
+    B, S, H, D = q.shape
+    for name, t in (("kv", kv), ("cmp", cmp)):
+        if t.dtype == torch.uint8:
+            v.fp8_kv_cache(op, name, t, D)
+        else:
+            v.same_dtype(op, name, t, "q", q)
+    if kv.dtype == torch.uint8 and cmp.dtype != torch.uint8:
+        v.fail(op, "an FP8 window source kv needs an FP8 compressed pool cmp (both come from one FP8 cache)")
     v.dtype(op, "kv_idx", kv_idx, torch.int32)
     v.dtype(op, "cmp_idx", cmp_idx, torch.int32)
     v.dtype(op, "cmp_len", cmp_len, torch.int32)
     v.dtype(op, "sink", sink, torch.float32)
-    B, S, H, D = q.shape
     for name, t in (("kv", kv), ("cmp", cmp)):
         v.dim(op, name, t, 0, B, "B of q")
-        v.dim(op, name, t, 2, D, "D of q")
+        if t.dtype != torch.uint8:
+            v.dim(op, name, t, 2, D, "D of q")
     for name, t in (("kv_idx", kv_idx), ("cmp_idx", cmp_idx), ("cmp_len", cmp_len)):
         v.dim(op, name, t, 0, B, "B of q")
         v.dim(op, name, t, 1, S, "S of q")
     v.dim(op, "sink", sink, 0, H, "H of q")
     v.same_device(op, q=q, kv=kv, kv_idx=kv_idx, cmp=cmp, cmp_idx=cmp_idx, cmp_len=cmp_len, sink=sink)
     if v.reads_values(kv_idx, cmp_idx, cmp_len):
-        v.index_range(op, "kv_idx", kv_idx, kv.shape[1], "kv rows")
-        v.index_range(op, "cmp_idx", cmp_idx, cmp.shape[1], "cmp entries")
-        v.in_range(op, "cmp_len", cmp_len, 0, cmp.shape[1], f"cmp entries Nc={cmp.shape[1]}")
+        nc = v.entries(cmp)
+        v.index_range(op, "kv_idx", kv_idx, v.entries(kv), "kv rows")
+        v.index_range(op, "cmp_idx", cmp_idx, nc, "cmp entries")
+        v.in_range(op, "cmp_len", cmp_len, 0, nc, f"cmp entries Nc={nc}")
     return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
 

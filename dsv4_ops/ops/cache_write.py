@@ -4,7 +4,8 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from ..lowering.triton import cache_write as cw
-from ..lowering.triton.cache_write import cache_write_kernel
+from ..lowering.triton.cache_write import cache_write_kernel, fp8_cache_write_kernel
+from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
 from ._backend import use_triton
@@ -12,12 +13,23 @@ from ._backend import use_triton
 
 @torch.library.triton_op("dsv4::cache_write", mutates_args=("cache",))
 def _cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
-    # Also the fake: shape checks, then a static device branch (see _backend.py).
-    torch._check(cache.dim() == 3 and values.dim() == 3 and slots.dim() == 2,
-                 lambda: "cache_write: cache [B, N, C], values [B, S, C], slots [B, S]")
+    # Also the fake: shape checks, then a static device branch (see _backend.py). An FP8 cache
+    # (rank-4 uint8, static) takes the quantising kernel / reference.
+    is_fp8 = fp8.is_fp8_cache(cache)
+    torch._check((cache.dim() == 3 or is_fp8) and values.dim() == 3 and slots.dim() == 2,
+                 lambda: "cache_write: cache [B, N, C] (or FP8 [B, pages, page, bytes]), values [B, S, C], slots [B, S]")
     torch._check(values.shape[0] == cache.shape[0] and slots.shape[0] == cache.shape[0],
                  lambda: "cache_write: B of values/slots must match cache")
     torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
+    if is_fp8:
+        lay = fp8.KVLayout.of(cache, values.shape[2])
+        if use_triton(cache):
+            spec = cw.fp8_cache_write_launch(cache, values, slots, lay.rope, lay.data_bytes, lay.scale_bytes)
+            if spec is not None:
+                wrap_triton(fp8_cache_write_kernel)[spec.grid](*spec.args, **spec.meta)
+        else:
+            ref.cache_write(cache, values, slots)
+        return
     torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
     if use_triton(cache):
         spec = cw.cache_write_launch(cache, values, slots)
@@ -40,23 +52,30 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     Serves the window ring (``plan.win_write``), the compressor-input rings
     (``plan.csa_write`` / ``plan.hca_write``) and any pool. Returns ``None``.
 
+    ``cache`` may also be an FP8 KV cache (``uint8 [B, pages, page, entry_bytes]``,
+    ``dsv4_ops/reference/fp8_cache.py``; ``N = pages * page``): each row is quantised on write.
+
     The raw op ``torch.ops.dsv4.cache_write`` checks shapes only; on every backend it skips
     slots outside ``[0, N)`` like ``-1``. This wrapper rejects such slots (and repeated ones,
     whose write order no backend defines) instead.
     """
     op = "cache_write"
-    v.rank(op, "cache", cache, "[B, N, C]")
     v.rank(op, "values", values, "[B, S, C]")
+    if cache.dtype == torch.uint8:
+        v.fp8_kv_cache(op, "cache", cache, values.shape[2])
+        v.floating(op, "values", values)
+    else:
+        v.rank(op, "cache", cache, "[B, N, C]")
+        v.same_dtype(op, "values", values, "cache", cache)
+        v.dim(op, "values", values, 2, cache.shape[2], "C of cache")
     v.rank(op, "slots", slots, "[B, S]")
     v.dtype(op, "slots", slots, torch.int32)
-    v.same_dtype(op, "values", values, "cache", cache)
     B = cache.shape[0]
     v.dim(op, "values", values, 0, B, "B of cache")
-    v.dim(op, "values", values, 2, cache.shape[2], "C of cache")
     v.dim(op, "slots", slots, 0, B, "B of cache")
     v.dim(op, "slots", slots, 1, values.shape[1], "S of values")
     v.same_device(op, cache=cache, values=values, slots=slots)
     if v.reads_values(slots):
-        v.index_range(op, "slots", slots, cache.shape[1], "cache rows")
+        v.index_range(op, "slots", slots, v.entries(cache), "cache rows")
         v.distinct_per_row(op, "slots", slots)
     torch.ops.dsv4.cache_write(cache, values, slots)

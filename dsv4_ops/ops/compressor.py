@@ -5,6 +5,7 @@ from torch.library import wrap_triton
 
 from ..lowering.triton import compress as cp
 from ..lowering.triton.compress import compress_kernel
+from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
 from ._backend import use_triton
@@ -17,10 +18,11 @@ def _compress(
 ) -> None:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
     # one fused kernel (softmax pooling + RMSNorm + RoPE + pool write) per emitted block.
-    torch._check(pool.dim() == 3 and ring_kv.dim() == 3 and new_kv.dim() == 3 and emit.dim() == 2,
-                 lambda: "compress: ring/new/pool must be 3-d and emit [B, E]")
-    d = pool.shape[-1]
+    # An FP8 pool (rank-4 uint8, static) is written quantised: KV layout or indexer keys.
+    torch._check((pool.dim() == 3 or fp8.is_fp8_cache(pool)) and ring_kv.dim() == 3 and new_kv.dim() == 3
+                 and emit.dim() == 2, lambda: "compress: ring/new must be 3-d, pool 3-d (or FP8) and emit [B, E]")
     c = 2 if overlap else 1
+    d = new_kv.shape[-1] // c if fp8.is_fp8_cache(pool) else pool.shape[-1]
     torch._check(ring_kv.shape[-1] == c * d, lambda: f"compress: ring_kv last dim must be {c}*d")
     torch._check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
     torch._check(ring_gate.shape == ring_kv.shape and new_gate.shape == new_kv.shape,
@@ -63,7 +65,10 @@ def compress(
             must still be in the ring (``>= start - R``).
         norm_weight: ``[d]`` RMSNorm weight.  cos, sin: ``[P, r/2]`` rope tables, ``r <= d``,
             ``P > m*i`` for every emitted ``i``.
-        pool: ``[B, N, d]`` float pool; only the emitted indices (``< N``) are written.
+        pool: ``[B, N, d]`` float pool; only the emitted indices (``< N``) are written. Or an
+            FP8 pool ``uint8 [B, pages, page, entry_bytes]`` (``N = pages * page``,
+            ``dsv4_ops/reference/fp8_cache.py``): the KV layout, or, when ``entry_bytes == d + 4``,
+            indexer keys (Hadamard-rotated, then quantised); entries are quantised on write.
         ratio: ``m >= 1``.  overlap: CSA layout.  eps: RMSNorm epsilon.
 
     Call it before writing this step's rows into the ring (``cache_write`` with
@@ -75,9 +80,12 @@ def compress(
     pools whatever rows its positions map to. This wrapper rejects all of these instead.
     """
     op = "compress"
+    pool8 = pool.dtype == torch.uint8
     for name, t, layout in (("ring_kv", ring_kv, "[B, R, c*d]"), ("ring_gate", ring_gate, "[B, R, c*d]"),
                             ("new_kv", new_kv, "[B, S, c*d]"), ("new_gate", new_gate, "[B, S, c*d]"),
                             ("pool", pool, "[B, N, d]")):
+        if name == "pool" and pool8:
+            continue
         v.rank(op, name, t, layout)
         v.floating(op, name, t)
     v.rank(op, "start", start, "[B]")
@@ -92,8 +100,19 @@ def compress(
     for name, t in (("norm_weight", norm_weight), ("cos", cos), ("sin", sin)):
         v.floating(op, name, t)
     v.at_least(op, "ratio", ratio, 1)
-    B, N, d = pool.shape
     c = 2 if overlap else 1
+    if pool8:
+        B, N, d = pool.shape[0], v.entries(pool), new_kv.shape[-1] // c
+        if pool.dim() == 4 and pool.shape[3] == d + 4:
+            if d & (d - 1):
+                v.fail(op, f"FP8 indexer keys need a power-of-two width (Hadamard rotation), got d = {d}")
+        else:
+            v.fp8_kv_cache(op, "pool", pool, d)
+            if fp8.KVLayout.of(pool, d).rope != 2 * cos.shape[-1]:
+                v.fail(op, f"pool's FP8 layout keeps {fp8.KVLayout.of(pool, d).rope} rope dims in bf16, "
+                           f"but cos rotates 2 * cos.shape[-1] = {2 * cos.shape[-1]}")
+    else:
+        B, N, d = pool.shape
     cd = f"(2 if overlap else 1) * d = {c} * {d}"
     for name, t in (("ring_kv", ring_kv), ("ring_gate", ring_gate), ("new_kv", new_kv), ("new_gate", new_gate)):
         v.dim(op, name, t, 0, B, "B of pool")

@@ -5,6 +5,7 @@ from torch.library import wrap_triton
 
 from ..lowering.triton import indexer as ix
 from ..lowering.triton.indexer import indexer_scores_kernel, topk_kernel, topk_row_kernel
+from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
 from ._backend import use_triton
@@ -14,9 +15,11 @@ from ._backend import use_triton
 def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
     # Triton scores + radix top-k (same tie rule as the reference).
-    torch._check(q.dim() == 4 and weights.dim() == 3 and keys.dim() == 3 and visible.dim() == 2,
+    # keys may be an FP8 key cache (rank-4 uint8 [B, pages, page, DI + 4], static): dequantised where read
+    keys8 = fp8.is_fp8_cache(keys)
+    torch._check(q.dim() == 4 and weights.dim() == 3 and (keys.dim() == 3 or keys8) and visible.dim() == 2,
                  lambda: "indexer_topk: q [B, S, HI, DI], weights [B, S, HI], keys [B, N, DI], visible [B, S]")
-    torch._check(keys.shape[-1] == q.shape[-1], lambda: "indexer_topk: DI of keys and q differ")
+    torch._check(keys.shape[-1] == q.shape[-1] + (4 if keys8 else 0), lambda: "indexer_topk: DI of keys and q differ")
     torch._check(keys.shape[0] == q.shape[0], lambda: "indexer_topk: B of keys and q differ")
     torch._check(weights.shape == q.shape[:3], lambda: "indexer_topk: weights must be [B, S, HI] of q")
     torch._check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")
@@ -42,7 +45,9 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     Args:
         q: ``[B, S, HI, DI]`` float indexer queries (roped).
         weights: ``[B, S, HI]`` float per-head weights, every scale folded in.
-        keys: ``[B, N, DI]`` indexer-key pool, same dtype as ``q``; ``N`` may be 0.
+        keys: ``[B, N, DI]`` indexer-key pool, same dtype as ``q``; ``N`` may be 0. Or FP8 keys
+            ``uint8 [B, pages, page, DI + 4]`` (``N = pages * page``; ``dsv4_ops/reference/fp8_cache.py``):
+            those hold Hadamard-ROTATED keys, so pass rotated queries (``fp8_cache.rotate``).
         visible: ``[B, S] int32`` in ``0 .. N``: entries ``i < visible`` may be picked
             (causality ``(t+1)//m``, 0 for padding queries).
         topk: output width ``k >= 1``.
@@ -57,24 +62,29 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     op = "indexer_topk"
     v.rank(op, "q", q, "[B, S, HI, DI]")
     v.rank(op, "weights", weights, "[B, S, HI]")
-    v.rank(op, "keys", keys, "[B, N, DI]")
+    if keys.dtype == torch.uint8:
+        v.fp8_key_cache(op, "keys", keys, q.shape[-1] if q.dim() == 4 else -1)
+    else:
+        v.rank(op, "keys", keys, "[B, N, DI]")
     v.rank(op, "visible", visible, "[B, S]")
     v.floating(op, "q", q)
     v.floating(op, "weights", weights)
-    v.same_dtype(op, "keys", keys, "q", q)
+    if keys.dtype != torch.uint8:
+        v.same_dtype(op, "keys", keys, "q", q)
     v.dtype(op, "visible", visible, torch.int32)
     B, S, HI, DI = q.shape
     v.dim(op, "weights", weights, 0, B, "B of q")
     v.dim(op, "weights", weights, 1, S, "S of q")
     v.dim(op, "weights", weights, 2, HI, "HI of q")
     v.dim(op, "keys", keys, 0, B, "B of q")
-    v.dim(op, "keys", keys, 2, DI, "DI of q")
+    if keys.dtype != torch.uint8:
+        v.dim(op, "keys", keys, 2, DI, "DI of q")
     v.dim(op, "visible", visible, 0, B, "B of q")
     v.dim(op, "visible", visible, 1, S, "S of q")
     v.at_least(op, "topk", topk, 1)
     v.same_device(op, q=q, weights=weights, keys=keys, visible=visible)
     if v.reads_values(visible):
-        N = keys.shape[1]
+        N = v.entries(keys)
         v.in_range(op, "visible", visible, 0, N, f"keys entries N={N}")
     return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk)
 

@@ -16,6 +16,11 @@ slot ``p % R``; compressed entry ``i`` (block of positions ``[m*i, m*i + m)``)
 lives at pool index ``i``. A row's only mutable scalar is its length. ``-1``
 means "nothing" in every index tensor.
 
+FP8 caches (``fp8_cache.py``): wherever an op takes a window ring, a compressed pool or an
+indexer-key pool, it also takes that cache in its paged FP8 layout (a rank-4 ``uint8`` tensor):
+``cache_write`` and ``compress`` quantise on write, ``sparse_attention`` and ``indexer_topk``
+dequantise what they read. Pool sizes ``N`` are then ``pages * page`` entries.
+
 Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject
 them, the raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the
 same way, these functions included: an index or slot outside its tensor is skipped like
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import fp8_cache as fp8
 
 __all__ = [
     "plan",
@@ -174,6 +181,8 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
 
     Raw-op contract: slots outside ``[0, N)`` are skipped like -1.
     """
+    if fp8.is_fp8_cache(cache):
+        return _cache_write_fp8(cache, values, slots)
     B, S = slots.shape
     N = cache.shape[1]
     keep = (slots >= 0) & (slots < N)
@@ -182,6 +191,30 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     padded = torch.cat([cache, cache.new_zeros(B, 1, cache.shape[2])], dim=1)
     padded.scatter_(1, tgt[..., None].expand(B, S, cache.shape[2]), values.to(cache.dtype))
     cache.copy_(padded[:, :N])
+
+
+def _cache_write_fp8(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+    """``cache_write`` into an FP8 KV cache: quantise each row, then scatter whole entries."""
+    lay = fp8.KVLayout.of(cache, values.shape[-1])
+    data, scales = fp8.quantize_kv(values, lay.rope)
+    rows = fp8.to_entries(cache, lay.data_bytes)
+    cache_write(rows, torch.cat([data, scales], -1), slots)
+    cache.copy_(fp8.from_entries(rows, lay.page, lay.data_bytes))
+
+
+def _write_entries_fp8(pool: Tensor, entry: Tensor, slots: Tensor) -> None:
+    """Quantise ``entry [B, E, d]`` into an FP8 pool at ``slots [B, E]`` (-1 = skip). The KV format,
+    or the indexer-key format (``entry_bytes == d + 4``: rotate, then one fp32 scale per key)."""
+    d = entry.shape[-1]
+    if pool.shape[-1] == d + 4:
+        lay = fp8.IndexerLayout.of(pool)
+        data, scales = fp8.quantize_keys(fp8.rotate(entry))
+    else:
+        lay = fp8.KVLayout.of(pool, d)
+        data, scales = fp8.quantize_kv(entry, lay.rope)
+    rows = fp8.to_entries(pool, lay.data_bytes)
+    cache_write(rows, torch.cat([data, scales], -1), slots)
+    pool.copy_(fp8.from_entries(rows, lay.page, lay.data_bytes))
 
 
 # --------------------------------------------------------------------------------------
@@ -226,12 +259,13 @@ def compress(
     complete, or older than the ring, pools whatever rows its positions map to.)
     """
     B, E = emit.shape
-    d = pool.shape[-1]
+    c = 2 if overlap else 1
+    d = new_kv.shape[-1] // c
     m = ratio
     R = ring_kv.shape[1]
     S = new_kv.shape[1]
     dev = emit.device
-    N = pool.shape[1]
+    N = pool.shape[1] * pool.shape[2] if fp8.is_fp8_cache(pool) else pool.shape[1]
     emitted = (emit >= 0) & (emit < N)
     blk = torch.where(emitted, emit.long(), 0)  # [B, E]; skipped blocks computed then dropped
     start = start.long()
@@ -278,6 +312,8 @@ def compress(
         s = torch.zeros_like(c)
     entry = apply_rope(entry, c, s)
 
+    if fp8.is_fp8_cache(pool):
+        return _write_entries_fp8(pool, entry, torch.where(emitted, blk, -1))
     tgt = torch.where(emitted, blk, torch.full_like(blk, N))
     padded = torch.cat([pool, pool.new_zeros(B, 1, d)], dim=1)
     padded.scatter_(1, tgt[..., None].expand(B, E, d), entry.to(pool.dtype))
@@ -314,6 +350,8 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
 
     Raw-op contract: ``visible`` is clamped to ``[0, N]``.
     """
+    if fp8.is_fp8_cache(keys):  # rotated keys: the caller passes rotated queries
+        keys = fp8.read_keys(keys)
     B, S = visible.shape
     N = keys.shape[1]
     scores = indexer_scores(q, weights, keys, visible)
@@ -363,6 +401,10 @@ def sparse_attention(
     ``cmp_len`` is clamped to ``[0, Nc]``.
     """
     B, S, H, D = q.shape
+    if fp8.is_fp8_cache(kv):
+        kv = fp8.read_kv(kv, D)
+    if fp8.is_fp8_cache(cmp):
+        cmp = fp8.read_kv(cmp, D)
     Nc = cmp.shape[1]
     qf = q.float()
 

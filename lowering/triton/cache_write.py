@@ -4,6 +4,10 @@ Contract: ``dsv4_ops.reference.cache_write``.
 One program per new row ``(b, s)`` and block of ``BLOCK_C`` channels: it reads the slot,
 and copies the row when the slot is in ``[0, N)`` (``-1`` = skip: no memory traffic).
 Slots of one row are distinct (``plan`` guarantees it), so programs never race.
+
+``fp8_cache_write_kernel`` writes into an FP8 KV cache (``dsv4_ops/reference/fp8_cache.py``):
+one program per new row quantises it on the fly (per 64-value block: amax, ue8m0 scale,
+e4m3 codes; the rope dims as bf16) and stores the entry's data row and its footer scale row.
 """
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_codec as fc
 from ._launch import Launch, launch, next_pow2
 
-__all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch"]
+__all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch",
+           "fp8_cache_write_kernel", "fp8_cache_write_launch"]
 
 
 @triton.jit
@@ -35,6 +41,60 @@ def cache_write_kernel(
         mask = offs < C
         row = tl.load(values_ptr + b * sv_b + s * sv_s + offs * sv_c, mask=mask)
         tl.store(cache_ptr + b * sc_b + slot * sc_n + offs * sc_c, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_cache_write_kernel(
+    cache_ptr, values_ptr, slots_ptr,
+    S, N, PAGE, NOPE, ROPE, DATA_BYTES, SCALE_BYTES,
+    sc_b, sc_p,
+    sv_b, sv_s, sv_c,
+    ss_b, ss_s,
+    NBLK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SB: tl.constexpr,
+):
+    pid_t = tl.program_id(0)  # new row b * S + s
+    b = (pid_t // S).to(tl.int64)
+    s = (pid_t % S).to(tl.int64)
+    slot = tl.load(slots_ptr + b * ss_b + s * ss_s).to(tl.int64)
+    if (slot >= 0) & (slot < N):
+        row = values_ptr + b * sv_b + s * sv_s
+        page_base = cache_ptr + b * sc_b + (slot // PAGE) * sc_p
+        t = slot % PAGE
+        data = page_base + t * DATA_BYTES
+        scales = page_base + PAGE * DATA_BYTES + t * SCALE_BYTES
+        # nope: [NBLK, 64] blocks, one ue8m0 scale each
+        blk = tl.arange(0, NBLK)
+        col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+        live = blk < NOPE // 64
+        x = tl.load(row + col * sv_c, mask=live[:, None], other=0.0).to(tl.float32)
+        exp = fc.scale_exponent(tl.max(tl.abs(x), 1))
+        code = fc.e4m3_encode(x * fc.pow2(254 - exp)[:, None])
+        tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
+        tl.store(scales + blk, exp.to(tl.uint8), mask=live)
+        pad = tl.arange(0, BLOCK_SB)
+        tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
+        # rope: bf16, little-endian
+        r = tl.arange(0, BLOCK_R)
+        rm = r < ROPE
+        bits = fc.bf16_bits(tl.load(row + (NOPE + r) * sv_c, mask=rm, other=0.0))
+        tl.store(data + NOPE + 2 * r, (bits & 0xFF).to(tl.uint8), mask=rm)
+        tl.store(data + NOPE + 2 * r + 1, (bits >> 8).to(tl.uint8), mask=rm)
+
+
+def fp8_cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, rope: int,
+                           data_bytes: int, scale_bytes: int) -> Launch | None:
+    """The ``fp8_cache_write_kernel`` launch into an FP8 KV cache ``[B, pages, page, entry_bytes]``
+    (``None``: nothing to write)."""
+    B, S = slots.shape
+    P, page = cache.shape[1], cache.shape[2]
+    D = values.shape[-1]
+    if B * S == 0:
+        return None
+    nope = D - rope
+    return Launch((B * S,), (cache, values, slots, S, P * page, page, nope, rope, data_bytes, scale_bytes,
+                             cache.stride(0), cache.stride(1), *values.stride(), *slots.stride()),
+                  dict(NBLK=max(1, next_pow2(nope // 64)), BLOCK_R=max(2, next_pow2(rope)),
+                       BLOCK_SB=max(2, next_pow2(scale_bytes)), num_warps=4))
 
 
 def cache_write_config(C: int) -> dict:

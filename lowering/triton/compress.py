@@ -15,7 +15,10 @@ One program per ``(b, e)`` emit slot; ``emit[b, e] = -1`` returns at once. For b
   ``r = 2 * half`` channels at position ``m * i`` (``cos``/``sin`` row ``m * i``): the channel
   vector is viewed as ``[BLOCK_D / 2, 2]`` pairs and split into even / odd lanes. Lanes are
   shifted by ``PAR = (d - r) % 2`` so that every rope pair is a lane pair;
-- one rounding to ``pool.dtype`` and a store to ``pool[b, i]`` (skipped when ``i >= N``).
+- one rounding to ``pool.dtype`` and a store to ``pool[b, i]`` (skipped when ``i >= N``);
+  or, into an FP8 pool (``FMT`` 1: KV format, 2: indexer keys; ``dsv4_ops/reference/fp8_cache.py``),
+  quantisation in registers and a store of the entry's data and footer-scale rows (indexer keys
+  are Hadamard-rotated first, by the same butterfly as the reference).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_codec as fc
 from ._launch import Launch, launch, next_pow2
 
 __all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
@@ -34,6 +38,44 @@ def _slot_ptrs(pos, fresh, nrow, rrow, chan, new_row0, sn_s, sn_c, ring_row0, sr
     from_new = new_row0 + nrow[:, None] * sn_s + chan * sn_c
     from_ring = ring_row0 + rrow[:, None] * sr_r + chan * sr_c
     return tl.where(fresh[:, None], from_new, from_ring)
+
+
+@triton.jit
+def _store_kv_fp8(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D: tl.constexpr, BLOCK_SB: tl.constexpr):
+    """Quantise the channel-ordered entry ``y [BLOCK_D]`` into an FP8 KV entry (data + scales)."""
+    NB: tl.constexpr = BLOCK_D // 64
+    blk = tl.arange(0, NB)
+    col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    live = blk < NOPE // 64
+    y2 = tl.reshape(y, (NB, 64))
+    exp = fc.scale_exponent(tl.max(tl.where(live[:, None], tl.abs(y2), 0.0), 1))
+    code = fc.e4m3_encode(y2 * fc.pow2(254 - exp)[:, None])
+    tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
+    tl.store(scales + blk, exp.to(tl.uint8), mask=live)
+    pad = tl.arange(0, BLOCK_SB)
+    tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
+    ch = tl.arange(0, BLOCK_D)
+    rm = (ch >= NOPE) & (ch < d)
+    bits = fc.bf16_bits(y)
+    tl.store(data + NOPE + 2 * (ch - NOPE), (bits & 0xFF).to(tl.uint8), mask=rm)
+    tl.store(data + NOPE + 2 * (ch - NOPE) + 1, (bits >> 8).to(tl.uint8), mask=rm)
+
+
+@triton.jit
+def _store_keys_fp8(y, data, scales, BLOCK_D: tl.constexpr):
+    """Rotate the indexer key ``y [BLOCK_D]`` (``BLOCK_D == d``, a power of two) by the fast
+    Walsh-Hadamard butterfly, then quantise it with one fp32 power-of-two scale."""
+    for stage in tl.static_range(12):  # h = 2^stage < BLOCK_D: log2(BLOCK_D) stages
+        if (1 << stage) < BLOCK_D:
+            pairs = tl.permute(tl.reshape(y, (BLOCK_D // (2 << stage), 2, 1 << stage)), (0, 2, 1))  # [.., h, 2]
+            a, b = tl.split(pairs)
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BLOCK_D,))
+    y = y * (BLOCK_D ** -0.5)
+    exp = fc.scale_exponent(tl.max(tl.abs(y), 0))
+    j = tl.arange(0, BLOCK_D)
+    tl.store(data + j, fc.e4m3_encode(y * fc.pow2(254 - exp)).to(tl.uint8))
+    q = tl.arange(0, 4)
+    tl.store(scales + q, ((exp << 23) >> (8 * q) & 0xFF).to(tl.uint8))
 
 
 @triton.jit
@@ -52,7 +94,9 @@ def compress_kernel(
     scos_p, scos_h,
     ssin_p, ssin_h,
     sp_b, sp_n, sp_c,
+    PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
     OVERLAP: tl.constexpr, PAR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    FMT: tl.constexpr, BLOCK_SB: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * E + e
     b = (pid // E).to(tl.int64)
@@ -116,12 +160,22 @@ def compress_kernel(
         oe = tl.where(rope, ye * c - yo * s, ye)
         oo = tl.where(rope, yo * c + ye * s, yo)
 
-        ce = 2 * k - PAR  # channels of the even / odd lanes
-        co = ce + 1
-        row = pool_ptr + b * sp_b + blk * sp_n
-        ty = pool_ptr.dtype.element_ty
-        tl.store(row + ce * sp_c, oe.to(ty), mask=(ce >= 0) & (ce < d))
-        tl.store(row + co * sp_c, oo.to(ty), mask=(co >= 0) & (co < d))
+        if FMT == 0:
+            ce = 2 * k - PAR  # channels of the even / odd lanes
+            co = ce + 1
+            row = pool_ptr + b * sp_b + blk * sp_n
+            ty = pool_ptr.dtype.element_ty
+            tl.store(row + ce * sp_c, oe.to(ty), mask=(ce >= 0) & (ce < d))
+            tl.store(row + co * sp_c, oo.to(ty), mask=(co >= 0) & (co < d))
+        else:  # FP8 page: PAR == 0, so the lanes are the channels
+            y = tl.interleave(oe, oo)
+            page_base = pool_ptr + b * sp_b + (blk // PAGE) * sp_n
+            data = page_base + (blk % PAGE) * DATA_BYTES
+            scales = page_base + PAGE * DATA_BYTES + (blk % PAGE) * SCALE_BYTES
+            if FMT == 1:
+                _store_kv_fp8(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D, BLOCK_SB)
+            else:
+                _store_keys_fp8(y, data, scales, BLOCK_D)
 
 
 def compress_config(d: int, half: int, ratio: int, overlap: bool) -> dict:
@@ -150,11 +204,25 @@ def compress_launch(
     overlap: bool,
     eps: float,
 ) -> Launch | None:
-    """The ``compress_kernel`` launch (``None``: nothing to emit)."""
+    """The ``compress_kernel`` launch (``None``: nothing to emit). An FP8 ``pool`` (rank-4 uint8)
+    takes the quantising epilogue: the KV layout, or indexer keys when ``entry_bytes == d + 4``."""
     B, E = emit.shape
-    N, d = pool.shape[1], pool.shape[2]
-    R, S = ring_kv.shape[1], new_kv.shape[1]
+    c = 2 if overlap else 1
+    d = new_kv.shape[-1] // c
     half = cos.shape[-1]
+    fmt, page, nope, data_bytes, scale_bytes = 0, 1, 0, 0, 0
+    if pool.dim() == 4:  # FP8: [B, pages, page, entry_bytes]
+        page, eb = pool.shape[2], pool.shape[3]
+        N = pool.shape[1] * page
+        fmt = 2 if eb == d + 4 else 1
+        nope = d if fmt == 2 else d - 2 * half
+        data_bytes = d if fmt == 2 else nope + 4 * half
+        scale_bytes = eb - data_bytes
+        pool_strides = (pool.stride(0), pool.stride(1), 1)
+    else:
+        N = pool.shape[1]
+        pool_strides = pool.stride()
+    R, S = ring_kv.shape[1], new_kv.shape[1]
     if B * E == 0 or N * d == 0:
         return None
     if S == 0:  # never read (no position is fresh), but the kernel needs real pointers
@@ -164,9 +232,11 @@ def compress_launch(
             float(eps),
             E, S, R, N, cos.shape[0], d, half, ratio,
             *ring_kv.stride(), *ring_gate.stride(), *new_kv.stride(), *new_gate.stride(),
-            start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool.stride())
-    return Launch((B * E,), args, dict(OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"],
-                                       BLOCK_M=cfg["BLOCK_M"], num_warps=cfg["num_warps"]))
+            start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool_strides,
+            page, nope, data_bytes, scale_bytes)
+    meta = dict(OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+                FMT=fmt, BLOCK_SB=max(2, next_pow2(scale_bytes)), num_warps=cfg["num_warps"])
+    return Launch((B * E,), args, meta)
 
 
 def compress(*args, **kwargs) -> None:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_codec as fc
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
@@ -49,8 +50,9 @@ def indexer_scores_kernel(
     sk_b, sk_n, sk_d,
     sv_b, sv_s,
     so_b, so_s, so_n,
+    KEY_PAGE,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)  # chunk of CHUNK entries
@@ -78,10 +80,24 @@ def indexer_scores_kernel(
         for start in range(lo, live_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             live = offs_n < live_hi
-            keys = tl.load(
-                key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
-                mask=live[:, None] & d_mask[None, :], other=0.0,
-            ).to(q_t.dtype)
+            if KEYS_FP8:  # page of entry n: DI code bytes at t * DI, fp32 scale in the footer
+                n64 = offs_n.to(tl.int64)
+                pbase = key_row0 + (n64 // KEY_PAGE) * sk_n
+                t = n64 % KEY_PAGE
+                code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
+                               mask=live[:, None] & d_mask[None, :], other=0)
+                sp = pbase + KEY_PAGE * DI + t * 4
+                sbits = (tl.load(sp, mask=live, other=0).to(tl.int32)
+                         | (tl.load(sp + 1, mask=live, other=0).to(tl.int32) << 8)
+                         | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
+                         | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
+                kscale = sbits.to(tl.float32, bitcast=True)
+                keys = (fc.e4m3_decode(code) * kscale[:, None]).to(q_t.dtype)
+            else:
+                keys = tl.load(
+                    key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
+                    mask=live[:, None] & d_mask[None, :], other=0.0,
+                ).to(q_t.dtype)
             if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
                 dots = tl.dot(keys.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
             else:
@@ -293,19 +309,30 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     """``[B, S, N] fp32`` scores and the ``indexer_scores_kernel`` launch that fills them
     (``None``: empty). ``config`` overrides keys of ``indexer_config``."""
     B, S, HI, DI = q.shape
-    N = keys.shape[1]
+    fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
+    N = _entries(keys)
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out, None
     cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend()), **(config or {})}
-    args = (q, weights, keys.to(q.dtype) if keys.dtype != q.dtype else keys, visible, out,
+    if fp8:
+        key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
+    else:
+        keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
+        key_args, page = (keys, *keys.stride()), 1
+    args = (q, weights, key_args[0], visible, out,
             S, HI, N,
-            *q.stride(), *weights.stride(), *keys.stride(), *visible.stride(), *out.stride())
+            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), page)
     return out, Launch((B * S, -(-N // cfg["CHUNK"])), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
-                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET,
+                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET, KEYS_FP8=fp8,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+
+
+def _entries(keys: torch.Tensor) -> int:
+    """Entries of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one."""
+    return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
 
 
 def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
@@ -334,7 +361,7 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     """The output and the launches that fill it, for the arguments of :func:`indexer_topk`
     (an empty pool fills ``out`` with -1 here, and launches nothing)."""
     B, S = visible.shape
-    N = keys.shape[1]
+    N = _entries(keys)
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     if B * S * topk == 0:

@@ -21,6 +21,12 @@ Design (H200 decode first):
   ``BLOCK_N``); each writes its partial ``(m, l, acc)`` to an fp32 workspace and
   ``combine_kernel`` merges them (sink added once there). Same single-softmax result.
 
+- FP8 caches (``dsv4_ops/reference/fp8_cache.py``, ``FP8`` constexpr: 1 = the compressed pool,
+  2 = the window source too): rows are gathered as bytes from their pages (data row + footer
+  scales) and dequantised in registers (e4m3 codes x ue8m0 scale, bf16 rope) before the dots.
+  The byte loads are inline in the kernel body (no pointer passed to a helper), so torch's
+  mutation analysis never takes the read-only caches for written ones.
+
 The decode kernel is short of its roofline because Triton 3.6 gives a dot that feeds another
 dot a layout with all warps on M, so both warpgroups compute the same scores; what would fix
 it (warp specialisation) is not expressible in ``tl`` for pointer gathers. Measurements,
@@ -34,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_codec as fc
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
@@ -103,8 +110,9 @@ def sparse_attention_kernel(
     sci_b, sci_s, sci_k,
     scl_b, scl_s,
     so_b, so_s, so_h, so_d,
+    KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query token b * S + s
     pid_h = tl.program_id(1)  # head block
@@ -155,8 +163,41 @@ def sparse_attention_kernel(
         idx = idx_next
         v_next = v + BLOCK_N
         idx_next = _entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
-        rows, valid = _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d)
-        e = tl.load(rows, mask=valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        if FP8 == 0:
+            rows, valid = _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d,
+                                      offs_d)
+            e = tl.load(rows, mask=valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
+        else:
+            in_w = v < W
+            valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, N_CMP))
+            idx64 = idx.to(tl.int64)
+            # FP8 lanes: page base, slot in page, page size (window lanes too when FP8 == 2)
+            if FP8 == 2:
+                lane8 = valid
+                page = tl.where(in_w, KV_PAGE, CMP_PAGE)
+                pbase = tl.where(in_w, kv_row0 + (idx64 // KV_PAGE) * skv_n, cmp_row0 + (idx64 // CMP_PAGE) * sc_n)
+            else:
+                lane8 = valid & (v >= W)
+                page = CMP_PAGE
+                pbase = cmp_row0 + (idx64 // CMP_PAGE) * sc_n
+            t = idx64 % page
+            data = pbase + t * DATA_BYTES
+            scl = pbase + page * DATA_BYTES + t * SCALE_BYTES
+            is_nope = offs_d < NOPE
+            is_rope = (offs_d >= NOPE) & d_mask
+            m_nope = lane8[:, None] & is_nope[None, :]
+            m_rope = lane8[:, None] & is_rope[None, :]
+            code = tl.load(data[:, None] + offs_d[None, :], mask=m_nope, other=0)
+            sc = tl.load(scl[:, None] + (offs_d // 64)[None, :], mask=m_nope, other=127)
+            rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
+            rope_lo = tl.load(rb, mask=m_rope, other=0)
+            rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
+            e = tl.where(is_nope[None, :], fc.e4m3_decode(code) * fc.pow2(sc), fc.bf16_from_bytes(rope_lo, rope_hi))
+            if FP8 == 1:  # window lanes from the float source (concat mode)
+                ew = tl.load(kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
+                             mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                e = tl.where(in_w[:, None], ew, e)
+            e = e.to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT)
 
     if NUM_SPLITS == 1:
@@ -298,25 +339,37 @@ def attention_launches(
     """The output and the launches that fill it, for the arguments of :func:`sparse_attention`."""
     B, S, H, D = q.shape
     W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
-    N_KV, N_CMP = kv.shape[1], cmp.shape[1]
+    kv8, cmp8 = kv.dim() == 4, cmp.dim() == 4  # FP8 paged caches [B, pages, page, entry_bytes]
+    N_KV = kv.shape[1] * kv.shape[2] if kv8 else kv.shape[1]
+    N_CMP = cmp.shape[1] * cmp.shape[2] if cmp8 else cmp.shape[1]
     sink = sink.contiguous()
-    if kv.dtype != cmp.dtype:
+    if kv8 and not cmp8:
+        raise ValueError("sparse_attention: an FP8 window source needs an FP8 compressed pool")
+    if not cmp8 and kv.dtype != cmp.dtype:
         raise ValueError(f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
+    fp8 = 2 if kv8 else (1 if cmp8 else 0)
+    page_kv = kv.shape[2] if kv8 else 1
+    page_cmp = cmp.shape[2] if cmp8 else 1
+    nope = data_bytes = scale_bytes = 0
+    if cmp8:
+        rope = _rope_of(cmp, D)
+        nope, data_bytes = D - rope, D + rope
+        scale_bytes = cmp.shape[3] - data_bytes
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     if B * S * H * D == 0:
         return AttentionLaunches(out, None, None)
     if max_entries is None:
         max_entries = W + (K if K > 0 else N_CMP)
-    wide = q.dtype if q.element_size() >= kv.element_size() else kv.dtype
+    wide = q.dtype if fp8 or q.element_size() >= kv.element_size() else kv.dtype
     cfg = dict(config) if config is not None else attention_config(
         B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide)
     if num_splits is not None:
         cfg["NUM_SPLITS"] = num_splits
     splits = cfg["NUM_SPLITS"]
     # zero-size tensors never get dereferenced (masked) but need a real pointer
-    if N_KV == 0 or W == 0:
-        kv, N_KV = cmp if N_CMP > 0 else q.new_empty((B, 1, D), dtype=kv.dtype), 0
+    if (N_KV == 0 or W == 0) and not kv8:
+        kv, N_KV = cmp if N_CMP > 0 and not cmp8 else q.new_empty((B, 1, D), dtype=kv.dtype), 0
     if N_CMP == 0:
         cmp = kv if kv.numel() > 0 else q.new_empty((B, 1, D), dtype=kv.dtype)
     if W == 0:
@@ -334,10 +387,12 @@ def attention_launches(
         (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
          float(scale) * _LOG2E,
          S, H, N_KV, N_CMP, W, K,
-         *q.stride(), *kv.stride(), *kv_idx.stride(), *cmp.stride(), *cmp_idx.stride(),
-         *cmp_len.stride(), *out.stride()),
+         *q.stride(), *_row_strides(kv), *kv_idx.stride(), *_row_strides(cmp), *cmp_idx.stride(),
+         *cmp_len.stride(), *out.stride(),
+         page_kv, page_cmp, nope, data_bytes, scale_bytes),
         dict(D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-             NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+             NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, FP8=fp8, num_warps=cfg["num_warps"],
+             num_stages=cfg["num_stages"]),
     )
     combine = None
     if splits > 1:
@@ -349,6 +404,20 @@ def attention_launches(
             dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4),
         )
     return AttentionLaunches(out, attention, combine)
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, channel) strides; an FP8 cache's "row" stride is its page stride (bytes)."""
+    return (t.stride(0), t.stride(1), 1) if t.dim() == 4 else t.stride()
+
+
+def _rope_of(cache: torch.Tensor, D: int) -> int:
+    """Rope dims of an FP8 KV cache of ``D``-wide entries (``fp8_cache.KVLayout.of``'s rule)."""
+    for nope in range(0, D + 1, 64):
+        rope = D - nope
+        if nope + 2 * rope + -(-(nope // 64) // 8) * 8 == cache.shape[3]:
+            return rope
+    raise ValueError(f"sparse_attention: no FP8 KV layout of {D}-wide entries has {cache.shape[3]} bytes per entry")
 
 
 def sparse_attention(*args, **kwargs) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Triton helpers of the FP8 cache formats: the rule of ``dsv4_ops/reference/fp8_cache.py``
+(its docstring defines the layouts and the rule), written with integer ops only.
+
+Why integers: a float -> e4m3 cast is not available on every target (gfx942 has only the
+"fnuz" e4m3 variant) and the interpreter's bf16 cast need not round like the GPUs'; bit ops
+give the same bytes everywhere, which the layout tests check bit for bit against torch's casts.
+Decoding uses the fp16 trick (an e4m3 byte shifted into an fp16 bit pattern is the value
+times ``2^-8``, subnormals included), one integer op pair and a convert per value.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "bf16_bits", "bf16_from_bytes"]
+
+
+@triton.jit
+def scale_exponent(amax):
+    """ue8m0 byte (int32) of ``2^ceil(log2(max(amax, 1e-4) / 448))``, exact (see the reference)."""
+    a = tl.maximum(amax.to(tl.float32), 1e-4)
+    bits = a.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    return e - 8 + (mant > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def pow2(exponent):
+    """``2^(exponent - 127)`` as fp32 from a biased exponent in 1..254."""
+    return (exponent.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(y):
+    """e4m3fn code (int32 in 0..255) of fp32 ``y`` (``|y| <= 448``), round to nearest even."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    e = a >> 23
+    # normal range (|y| >= 2^-6, fp32 exponent >= 121): keep 3 mantissa bits, rebias 127 -> 7
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal range: the code is round_half_even(|y| * 2^9); m * 2^(e - 150) in units of 2^-9
+    m = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - e, 30)
+    shift = tl.maximum(shift, 1)
+    q = m >> shift
+    rem = m & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + up.to(tl.int32)
+    code = tl.where(e >= 121, normal, tl.where(e == 0, 0, sub))
+    return sign | code
+
+
+@triton.jit
+def e4m3_decode(code):
+    """fp32 value of e4m3fn codes (any int type holding 0..255; 0x7F / 0xFF, NaN, never written)."""
+    c = code.to(tl.int32)
+    h = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.int16)
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def bf16_bits(x):
+    """The 16 bits (int32, 0..65535) of ``x`` rounded to bf16, nearest even (no NaN inputs)."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return r & 0xFFFF
+
+
+@triton.jit
+def bf16_from_bytes(lo, hi):
+    """fp32 value of a little-endian bf16 given as two bytes."""
+    bits = ((hi.to(tl.int32) << 8) | lo.to(tl.int32)) << 16
+    return bits.to(tl.float32, bitcast=True)

@@ -1,0 +1,181 @@
+"""The model with ``kv_cache_dtype="fp8"``: every prefill and decode logit equals the FP8
+reference numerics (``simulate_fp8_cache``: float caches that quantise -> dequantise every
+write, rotated indexer keys) to 1e-4 in fp32, and the cache-free forward with those numerics
+(a different step structure) to 2e-3; the FP8 cache moves the logits away from the float cache
+by a measured, bounded amount; the compiled FP8 step never recompiles; and a cache dtype that
+cannot run is refused where the cache is configured.
+
+One model for the file (tiny config with ``head_dim = 144``: 128 nope dims = two ue8m0 blocks,
+16 rope dims; sliding + CSA + HCA layers, HCA rate 8 so decode crosses its blocks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator
+from dsv4_ops.model.kv_cache_dtype import check_kv_cache_dtype
+from model_util import random_model
+
+CFG = DSV4Config.tiny(head_dim=144, num_hidden_layers=3, hca_ratio=8)
+PROMPTS = [[3, 1, 4, 1, 5], list(range(40)), [7] * 17]
+STEPS = 24  # decode steps: crosses the window (16) and several HCA (8) / CSA (4) blocks
+# fp8-vs-float cache logit drift, relative to the largest logit. Measured on this random model:
+# mean 1.4e-2, max 0.24 (a decode position after an indexer top-k pick changed; random weights
+# make near-ties common). Bounds with ~3x headroom.
+DRIFT_MEAN_BOUND, DRIFT_MAX_BOUND = 0.05, 0.75
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG)
+
+
+def _feed() -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, CFG.vocab_size, (STEPS, len(PROMPTS)), generator=g)
+
+
+def _generator_logits(model, kv_cache_dtype: str, device) -> torch.Tensor:
+    """``[B, 1 + STEPS, vocab]``: the prefill logits, then one decode step per fed token."""
+    gen = Generator(model, max_batch_size=4, max_seq_len=96, prefill_chunk=16, compile=False,
+                    kv_cache_dtype=kv_cache_dtype)
+    feed = _feed().to(device)
+    out = [gen.prefill(PROMPTS)]
+    out += [gen.decode(feed[t]) for t in range(STEPS)]
+    return torch.stack(out, dim=1).cpu()
+
+
+def _oracle_logits(model, device) -> torch.Tensor:
+    """The same positions from the cache-free forward of each whole sequence, FP8 simulated."""
+    feed = _feed()
+    model.simulate_fp8_cache(True)
+    try:
+        rows = []
+        for b, p in enumerate(PROMPTS):
+            seq = torch.tensor([p + feed[:, b].tolist()], device=device)
+            rows.append(model(seq)[0, len(p) - 1:].cpu())
+        return torch.stack(rows)
+    finally:
+        model.simulate_fp8_cache(False)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def logits(request, model):
+    """fp8 path, its oracle, and the float-cache path, on one device (cuda: the Triton kernels)."""
+    m = model.to(request.param)
+    out = dict(fp8=_generator_logits(m, "fp8", request.param), float=_generator_logits(m, "auto", request.param),
+               cache_free=_oracle_logits(m, request.param))
+    m.simulate_fp8_cache(True)
+    try:
+        out["simulated"] = _generator_logits(m, "auto", request.param)
+    finally:
+        m.simulate_fp8_cache(False)
+        model.to("cpu")
+    return out
+
+
+def test_fp8_cache_matches_the_fp8_reference_numerics(logits):
+    """Same steps, float caches with the simulated quantisation: the bytes the FP8 cache holds
+    decode to exactly the simulated values, so only fp32 noise remains (measured ~4e-7)."""
+    err = _rel(logits["fp8"], logits["simulated"])
+    print(f"fp8 cache vs fp8 reference numerics (float caches, simulated): max rel err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_fp8_cache_matches_the_cache_free_fp8_forward(logits):
+    """One cache-free pass per sequence (other matmul shapes than the cached steps): the fp32
+    noise between the two (~2e-6 without quantisation) can put a value on the other side of an
+    e4m3 rounding boundary, a one-code change in one cache entry that later positions see
+    (measured ~8e-4 at worst, from the step of the flip on; 1e-6 before it)."""
+    err = (logits["fp8"] - logits["cache_free"]).abs().amax(-1) / logits["cache_free"].abs().max()
+    print(f"fp8 cache vs cache-free fp8 forward: max rel err {float(err.max()):.2e}, "
+          f"positions within 1e-5: {float((err <= 1e-5).float().mean()):.0%}")
+    assert float(err.max()) <= 2e-3
+    assert float((err <= 1e-5).float().mean()) >= 0.6  # most positions agree to fp32 noise
+
+
+def test_fp8_cache_drift_from_the_float_cache_is_measured_and_bounded(logits):
+    drift = _rel(logits["fp8"], logits["float"])
+    scale = logits["float"].abs().max()
+    mean = float((logits["fp8"] - logits["float"]).abs().mean() / scale)
+    prefill = _rel(logits["fp8"][:, 0], logits["float"][:, 0])
+    agree = float((logits["fp8"].argmax(-1) == logits["float"].argmax(-1)).float().mean())
+    print(f"float-vs-fp8 cache logit drift (relative to the largest logit): max {drift:.3e}, mean {mean:.3e}, "
+          f"prefill max {prefill:.3e}; argmax agreement {agree:.0%}")
+    assert 1e-4 < mean < DRIFT_MEAN_BOUND  # the quantisation is really on, and it stays small
+    assert drift < DRIFT_MAX_BOUND
+
+
+def test_fp8_pool_is_smaller(model):
+    model.setup_caches(2, 256)
+    float_bytes = model.cache_nbytes()
+    model.setup_caches(2, 256, kv_cache_dtype="fp8")
+    fp8_bytes = model.cache_nbytes()
+    model.clear_caches()
+    assert fp8_bytes < 0.75 * float_bytes, (fp8_bytes, float_bytes)
+
+
+def test_compiled_fp8_decode_step_never_recompiles():
+    """``torch.compile(fullgraph=True)`` of the cached decode step over an FP8 pool: one graph,
+    no recompile over 40 steps (crossing the window ring, CSA blocks, indexer top-k growth),
+    logits equal to the eager step. One CSA layer holds every FP8 cache kind (window ring, KV
+    pool, indexer keys); the HCA pool is the same KV format. (The Generator's own compile
+    test covers prefill + decode; on this 2-core CI box each graph costs about a minute.)"""
+    import copy
+
+    cfg = DSV4Config.tiny(head_dim=144, num_hidden_layers=1, layer_types=["compressed_sparse_attention"],
+                          mlp_layer_types=["moe"])
+    eager = random_model(cfg)
+    eager.setup_caches(2, 96, kv_cache_dtype="fp8")
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(compiled_model, fullgraph=True, dynamic=False)
+    lengths = {"eager": torch.zeros(2, dtype=torch.int32), "compiled": torch.zeros(2, dtype=torch.int32)}
+    prompt = torch.randint(0, cfg.vocab_size, (2, 20))
+    one = torch.ones(2, dtype=torch.int32)
+    for name, m in (("eager", eager), ("compiled", compiled_model)):  # prefill eagerly, same state
+        m(prompt, lengths[name], torch.full((2,), 20, dtype=torch.int32), last_only=True)
+        lengths[name] += 20
+    feed = torch.randint(0, cfg.vocab_size, (41, 2, 1))
+    step(feed[0], lengths["compiled"], one, last_only=True)  # warm-up: the one compile
+    eager(feed[0], lengths["eager"], one, last_only=True)
+    for t in lengths.values():
+        t += 1
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for t in range(1, 41):
+            got = step(feed[t], lengths["compiled"], one, last_only=True)
+            want = eager(feed[t], lengths["eager"], one, last_only=True)
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max(), t
+            lengths["compiled"] += 1
+            lengths["eager"] += 1
+
+
+def test_unknown_cache_dtype_is_refused_naming_the_argument(model):
+    with pytest.raises(ValueError, match=r"setup_caches: kv_cache_dtype must be one of .*'fp16'"):
+        model.setup_caches(1, 16, kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of"):
+        Generator(model, max_batch_size=1, max_seq_len=16, compile=False, kv_cache_dtype=torch.float8_e4m3fn)
+
+
+def test_fp8_cache_is_refused_where_it_cannot_be_read():
+    # the tiny default keeps 64 - 16 = 48 nope dims: no whole 64-value scale block
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs head_dim - rope_head_dim .* 48"):
+        random_model(DSV4Config.tiny(num_hidden_layers=1)).setup_caches(1, 16, kv_cache_dtype="fp8")
+    # no kernel reads it on the meta device (nor on any device type but cpu / cuda)
+    meta = DeepseekV4ForCausalLM(CFG, device="meta")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8': no kernel reads the FP8 cache on device 'meta'"):
+        meta.setup_caches(1, 16, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"power-of-two index_head_dim"):
+        check_kv_cache_dtype("export: kv_cache_dtype", "fp8", DSV4Config.tiny(head_dim=144, index_head_dim=48), "cpu")
+
+
+def test_speculative_decoding_over_the_fp8_cache_keeps_the_greedy_tokens(model):
+    """MTP drafts (the MTP block gets its own FP8 window) + verify steps over FP8 caches: the same
+    tokens as plain greedy decoding over FP8 caches."""
+    kw = dict(max_batch_size=2, max_seq_len=80, prefill_chunk=16, compile=False, kv_cache_dtype="fp8")
+    prompts = [[3, 1, 4, 1, 5], list(range(30))]
+    plain = Generator(model, **kw).generate(prompts, max_new_tokens=16)
+    assert Generator(model, spec_steps=2, **kw).generate(prompts, max_new_tokens=16) == plain

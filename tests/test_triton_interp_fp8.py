@@ -1,0 +1,138 @@
+"""The FP8-cache Triton kernels vs the reference (``dsv4_ops/reference/fp8_cache.py``), bit for
+bit where they write bytes: the integer codec against torch's e4m3 / bf16 casts, the quantising
+``cache_write`` and ``compress`` (KV layout and Hadamard-rotated indexer keys), and the readers
+(``sparse_attention`` with an FP8 pool, with FP8 window + pool, split-KV; ``indexer_topk`` over
+FP8 keys). Under ``TRITON_INTERPRET=1`` on CPU (tiny grids), compiled kernels on a GPU.
+Every destination starts poisoned."""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from dsv4_ops.reference import fp8_cache as fp8  # noqa: E402
+from dsv4_ops.reference import ops as ref  # noqa: E402
+from test_triton_interp import _kernel_module  # noqa: E402
+
+codec = _kernel_module("fp8_codec")
+cw = _kernel_module("cache_write")
+cp = _kernel_module("compress")
+sa = _kernel_module("sparse_attention")
+ix = _kernel_module("indexer")
+
+
+@triton.jit
+def _codec_kernel(x_ptr, code_ptr, bf_ptr, exp_ptr, dec_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    code = codec.e4m3_encode(x)
+    tl.store(code_ptr + offs, code.to(tl.uint8), mask=m)
+    tl.store(bf_ptr + offs, codec.bf16_bits(x), mask=m)
+    tl.store(exp_ptr + offs, codec.scale_exponent(tl.abs(x)), mask=m)
+    tl.store(dec_ptr + offs, codec.e4m3_decode(code), mask=m)
+
+
+def test_codec_matches_torch_casts_bit_for_bit():
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    every = every[every.isfinite()].sort().values
+    mid = (every[1:] + every[:-1]) / 2  # exact ties: round half to even
+    x = torch.cat([every, mid, torch.nextafter(mid, torch.full_like(mid, 1e9)),
+                   torch.nextafter(mid, torch.full_like(mid, -1e9)), (torch.rand(4000) * 2 - 1) * 448,
+                   torch.randn(2000) * 1e-3, torch.tensor([0.0, -0.0, 1e-40, -1e-40])]).clamp(-448, 448).to(DEVICE)
+    n = x.numel()
+    code = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    bf, exp = (torch.empty(n, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    dec = torch.empty(n, device=DEVICE)
+    _codec_kernel[(triton.cdiv(n, 4096),)](x, code, bf, exp, dec, n, BLOCK=4096)
+    assert torch.equal(code, x.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(bf, x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+    assert torch.equal(exp, fp8.scale_exponent(x.abs()))
+    assert torch.equal(dec, x.to(torch.float8_e4m3fn).float())
+
+
+def _poisoned(shape):
+    return torch.full(shape, 0xA5, dtype=torch.uint8, device=DEVICE)
+
+
+def test_fp8_cache_write_kernel_is_the_reference_bit_for_bit():
+    B, D, rope = 2, 144, 16
+    lay = fp8.KVLayout(D, rope, 4)
+    want = _poisoned(lay.shape(B, 10))
+    got = want.clone()
+    values = torch.randn(B, 5, D, device=DEVICE) * torch.logspace(-3, 2, D, device=DEVICE)
+    slots = torch.tensor([[0, 3, -1, 7, 9], [11, 2, 5, -1, 4]], dtype=torch.int32, device=DEVICE)
+    ref.cache_write(want, values, slots)
+    cw.launch(cw.fp8_cache_write_kernel, cw.fp8_cache_write_launch(got, values, slots, rope, lay.data_bytes,
+                                                                   lay.scale_bytes))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("d,half,m,overlap,keys", [(144, 8, 4, True, False), (128, 32, 8, False, False),
+                                                    (32, 8, 4, True, True)])
+def test_fp8_compress_kernel_is_the_reference_bit_for_bit(d, half, m, overlap, keys):
+    torch.manual_seed(d + m)
+    B, S, c = 2, 9, 2 if overlap else 1
+    R = c * m + 8
+    rings = [torch.randn(B, R, c * d, device=DEVICE) for _ in range(2)]
+    new = [torch.randn(B, S, c * d, device=DEVICE) for _ in range(2)]
+    start = torch.tensor([5, 12], dtype=torch.int32, device=DEVICE)
+    emit = torch.tensor([[1, 2, 3], [3, 4, -1]], dtype=torch.int32, device=DEVICE)  # raw op: whatever the ring holds
+    w = torch.rand(d, device=DEVICE) + 0.5
+    cos, sin = torch.randn(64, half, device=DEVICE), torch.randn(64, half, device=DEVICE)
+    lay = fp8.IndexerLayout(d, 4) if keys else fp8.KVLayout(d, 2 * half, 4)
+    want = _poisoned(lay.shape(B, 10))
+    got = want.clone()
+    args = (*rings, *new, start, emit, w, cos, sin)
+    ref.compress(*args, want, m, overlap, 1e-6)
+    cp.compress(*args, got, m, overlap, 1e-6)
+    assert torch.equal(got, want)
+
+
+def _fp8_kv(values, rope, page):
+    B, n, D = values.shape
+    cache = _poisoned(fp8.KVLayout(D, rope, page).shape(B, n))
+    ref.cache_write(cache, values, torch.arange(n, dtype=torch.int32, device=DEVICE).expand(B, n).contiguous())
+    return cache
+
+
+@pytest.mark.parametrize("window_fp8", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits):
+    torch.manual_seed(3)
+    B, S, H, D, rope = 2, 3, 4, 144, 16
+    window = torch.randn(B, 10, D, device=DEVICE)
+    kv = _fp8_kv(window, rope, 10) if window_fp8 else window  # concat mode keeps a float window source
+    cmp = _fp8_kv(torch.randn(B, 13, D, device=DEVICE), rope, 8)
+    q, sink = torch.randn(B, S, H, D, device=DEVICE), torch.randn(H, device=DEVICE)
+    kv_idx = torch.randint(-1, 10, (B, S, 5), dtype=torch.int32, device=DEVICE)
+    cmp_idx = torch.randint(-1, 13, (B, S, 6), dtype=torch.int32, device=DEVICE)
+    cmp_len = torch.randint(0, 14, (B, S), dtype=torch.int32, device=DEVICE)
+    args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, D**-0.5)
+    want = ref.sparse_attention(*args)
+    out = torch.full_like(want, float("nan"))
+    got = sa.sparse_attention(*args, out=out, num_splits=splits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_indexer_topk_matches_the_reference():
+    torch.manual_seed(4)
+    B, S, HI, DI, N = 2, 3, 4, 32, 11
+    keys = _poisoned(fp8.IndexerLayout(DI, 4).shape(B, N))
+    ref._write_entries_fp8(keys, torch.randn(B, N, DI, device=DEVICE),
+                           torch.arange(N, dtype=torch.int32, device=DEVICE).expand(B, N).contiguous())
+    q = fp8.rotate(torch.randn(B, S, HI, DI, device=DEVICE))
+    w = torch.randn(B, S, HI, device=DEVICE)
+    vis = torch.tensor([[0, 5, 11], [12, 1, 7]], dtype=torch.int32, device=DEVICE)  # 12: clamped to the pool
+    want = ref.indexer_topk(q, w, keys, vis, 5)
+    got = ix.indexer_topk(q, w, keys, vis, 5, out=torch.full_like(want, 77))
+    assert torch.equal(got, want)
+    scores = ix.indexer_scores(q, w, keys, vis)
+    torch.testing.assert_close(scores, ref.indexer_scores(q, w, fp8.read_keys(keys), vis), rtol=1e-5, atol=1e-5)
