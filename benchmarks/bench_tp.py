@@ -81,7 +81,7 @@ def run(model, cfg: DSV4Config, batch: int, args, device: torch.device) -> dict:
     out = dict(batch=batch, context=args.context, decode_ms=t.ms, wall_ms=t.wall_ms, samples=t.samples,
                method=t.method, first_call_s=first_s, graph_breaks=s["graph_breaks"], recompiles=s["recompiles"],
                cuda_graph_replays=s["cuda_graph_replays"], tokens=tokens)
-    del gen
+    gen = None  # drop the compiled steps and the KV pool before the next Generator
     release(device)
     return out
 
