@@ -25,6 +25,9 @@
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
 #             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
 #             sweep-attention-small = its split count at B=1, 16
+#   tp      = 2 GPUs (nvidia-h200-x2): the torchrun demo (dsv4_ops.parallel.demo, tiny), then decode at batch 1 and 64
+#             on the Flash slice with all 256 experts, sharded over 2 GPUs vs 1 (benchmarks/bench_tp.py), NCCL with
+#             NVLink multicast off
 #   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
 #             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
 #             + where the samples fall (benchmarks/ncu_summary.py)
@@ -104,9 +107,14 @@ for what in "$@"; do
          python3 benchmarks/ncu_summary.py "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
          grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
+    tp) n=$(nvidia-smi -L | wc -l)
+        if [ "$n" -lt 2 ]; then echo "tp needs 2 GPUs, this machine has $n"; rc=1; continue; fi
+        { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
+          NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py \
+            --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|moe|flash-spec|flash-hf|load|demo|bench|flash|bench-b1|aoti|spec|profile|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|moe|flash-spec|flash-hf|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

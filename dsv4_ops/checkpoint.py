@@ -291,9 +291,11 @@ class _Piece:
 
 
 def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantConfig,
-          n_mtp: int) -> list[_Piece]:
+          n_mtp: int, experts_range: tuple[int, int] | None = None) -> list[_Piece]:
     """Map every checkpoint tensor onto ``want`` (the meta model's state dict) and check
-    names, dtypes and shapes before any data is read."""
+    names, dtypes and shapes before any data is read. ``experts_range``: ``[first, end)``, the
+    routed experts to load (a tensor-parallel rank's; default all): per-expert tensors of
+    other experts are skipped, and only these must be present."""
     scales = _scales(entries)
     used_scales = {id(s) for s in scales.values()}
     pieces: list[_Piece] = []
@@ -317,6 +319,8 @@ def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantCon
             idx = int(m["e"])
             if idx >= E:
                 raise ValueError(f"load_pretrained: {e.where()} names expert {idx}, but the config has {E} experts")
+            if experts_range is not None and not experts_range[0] <= idx < experts_range[1]:
+                continue  # another rank's expert
             half = rows // 2
             span = {"w1": (0, half), "w3": (half, rows), "w2": (0, rows)}[m["w"]]
             shape = (span[1] - span[0], *full.shape[2:])
@@ -338,14 +342,14 @@ def _plan(entries: dict[str, _Entry], want: dict[str, torch.Tensor], q: QuantCon
     # fused expert parameters: every expert's w1 + w3 (gate_up) or w2 (down), exactly once
     whole = {p.target for p in pieces if p.expert is None}
     for target in {t for t, _ in experts}:
-        E = want[target].shape[0]
+        first, end = experts_range or (0, want[target].shape[0])
         parts = ("w2",) if target.endswith(".down_proj") else ("w1", "w3")
         for w in parts:
             got = experts.get((target, w), {})
-            if target in whole or sorted(got) != list(range(E)):
+            if target in whole or sorted(got) != list(range(first, end)):
                 prefix = target.rsplit(".", 1)[0]
-                raise ValueError(f"load_pretrained: {prefix} needs {w} for experts 0..{E - 1} (and no fused "
-                                 f"tensor besides); found {w} for {sorted(got)}")
+                raise ValueError(f"load_pretrained: {prefix} needs {w} for experts {first}..{end - 1} (and no "
+                                 f"fused tensor besides); found {w} for {sorted(got)}")
     targets = [p.target for p in pieces if p.expert is None]
     dup = sorted({t for t in targets if targets.count(t) > 1})
     if dup:
@@ -375,11 +379,12 @@ def _decode(p: _Piece, w: torch.Tensor, s: torch.Tensor | None, dtype: torch.dty
 
 
 def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], device: torch.device,
-            q: QuantConfig, n_experts: int) -> dict[str, torch.Tensor]:
+            q: QuantConfig, n_experts: int, tp=None) -> dict[str, torch.Tensor]:
     """Read the checkpoint one shard at a time, straight into tensors on ``device``: whole
     parameters as decoded (no further copy), per-expert pieces into fused parameters
     allocated once. Only the open shard's tensors (and one tensor's decode temporaries) are
-    held beyond the model itself."""
+    held beyond the model itself. ``tp`` (a ``parallel.TensorParallel``): keep only this
+    rank's slice of each sharded tensor; ``want`` then has the rank's shapes."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -403,12 +408,14 @@ def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], devi
                     value = value.clone()
                 del raw, s
                 if p.expert is None:
-                    out[p.target] = value
+                    part = value if tp is None else tp.take(p.target, value)
+                    out[p.target] = value if part is value else part.clone()
                     continue
                 if p.target not in out:
                     meta = want[p.target]
                     out[p.target] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                out[p.target][p.expert, p.rows[0]:p.rows[1]].copy_(value)
+                first = 0 if tp is None else tp.expert_range(n_experts)[0]
+                out[p.target][p.expert - first, p.rows[0]:p.rows[1]].copy_(value)
                 del value
     return out
 
@@ -432,7 +439,7 @@ def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCaus
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                    max_positions: int | None = None) -> DeepseekV4ForCausalLM:
+                    max_positions: int | None = None, process_group=None) -> DeepseekV4ForCausalLM:
     """A ``dsv4_ops.DeepseekV4ForCausalLM`` from a checkpoint directory: ``config.json`` (a
     transformers ``DeepseekV4Config``) plus safetensors (one file or shards with
     ``model.safetensors.index.json``), in HF names or in DeepSeek's own names (what
@@ -465,7 +472,20 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     the tensor (and its shard) or the config field when a parameter is missing, a tensor has
     no counterpart, a shape / dtype / scale does not match, or the quantisation format is
     unknown — before any weight data is read, where the headers tell.
+
+    ``process_group``: load this rank's tensor/expert-parallel shard only
+    (``dsv4_ops.parallel.load_pretrained``; call it on every rank of the group).
     """
+    if process_group is not None:
+        from .parallel.load import load_pretrained as load_shard
+
+        return load_shard(path, process_group, dtype=dtype, device=device, max_positions=max_positions)
+    return _load(path, dtype, device, max_positions)
+
+
+def _load(path, dtype, device, max_positions, tp=None) -> DeepseekV4ForCausalLM:
+    """``load_pretrained``; with ``tp`` (a ``parallel.TensorParallel``) only that rank's shard is
+    read and kept."""
     from transformers import DeepseekV4Config
 
     path = os.fspath(path)
@@ -477,9 +497,12 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     device = torch.device(device or "cpu")
+    if tp is not None:
+        tp.check(cfg)
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype, device="meta", max_positions=max_positions)
     want = model.state_dict()
-    pieces = _plan(_catalogue(path), want, q, len(model.mtp))
+    experts = None if tp is None else tp.expert_range(cfg.n_routed_experts)
+    pieces = _plan(_catalogue(path), want, q, len(model.mtp), experts)
     found = {p.target for p in pieces}
     if cfg.tie_word_embeddings and "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
         found.add("lm_head.weight")  # tied: saved once, shared below
@@ -489,8 +512,19 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         missing = [k for k in missing if not k.startswith("mtp.")]
     if missing:
         raise ValueError(f"load_pretrained: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
-    tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts)
+    if tp is not None:
+        from .parallel.shard import shard_with
+
+        want = shard_with(model, tp).state_dict()  # on meta: the rank's shapes, nothing allocated
+    tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts, tp)
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     check_load("load_pretrained", model, model.load_state_dict(tensors, strict=False, assign=True))
-    return finish_meta_model(model, device).eval()
+    if tp is None:
+        return finish_meta_model(model, device).eval()
+    # a fresh MTP block (the checkpoint has none) must be the same model on every rank before
+    # it is sliced: draw it from one seed, then shard it like the rest
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        finish_meta_model(model, device)
+    return shard_with(model, tp).eval()

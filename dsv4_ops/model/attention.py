@@ -164,6 +164,7 @@ class Attention(nn.Module):
         self.ratio = cfg.compress_ratio(layer_idx)
         H, D = cfg.num_attention_heads, cfg.head_dim
         self.num_heads, self.head_dim, self.eps = H, D, cfg.rms_norm_eps
+        self.o_groups = cfg.o_groups  # this module's heads / groups: a tensor-parallel shard holds a slice
         self.scale = D**-0.5
 
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
@@ -252,7 +253,7 @@ class Attention(nn.Module):
     def out(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Undo the value rotation at the query position, then the grouped output projection."""
         B, S = o.shape[:2]
-        g = self.cfg.o_groups
+        g = self.o_groups
         o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
         w_a = self.o_a_proj.weight.view(g, self.cfg.o_lora_rank, -1)
         z = torch.einsum("bsgi,gri->bsgr", o.reshape(B, S, g, -1), w_a)
