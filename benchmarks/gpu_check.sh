@@ -20,6 +20,8 @@
 #             (built in bf16 on the GPU) at 1 x 4K: prefill time and decode step
 #   load    = an official-format (FP8 + FP4, ue8m0, 16 shards) Flash-slice checkpoint written to /tmp, then
 #             dsv4_ops.load_pretrained onto the GPU: seconds, peak host RSS, peak GPU memory (benchmarks/bench_load.py)
+#   flash-32k = the Flash slice's public decode at batch 1, 8 x 32K (the rows the batch-1 / 8 expert path changed)
+#   gpu-tests = the `gpu` tests only (the first half of `tests`)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -82,6 +84,10 @@ for what in "$@"; do
            | tee "$OUT/bench_moe.log" | grep -v "^\[sweep\] [0-9]" || rc=1 ;;
     flash-spec) python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks 1 3 --context 2048 --samples 3 \
            --out "$OUT/bench_spec_flash_b1.json" 2>&1 | quiet | tee "$OUT/bench_spec_flash_b1.log" || rc=1 ;;
+    flash-32k) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 32768 --compare-at \
+           --iters 30 --out "$OUT/bench_flash_32k.json" 2>&1 | quiet | tee "$OUT/bench_flash_32k.log" || rc=1 ;;
+    gpu-tests) OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} -m gpu tests \
+        -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/gpu_tests.log" | tail -32 || rc=1 ;;
     flash-hf) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --hf-points 1x4096 \
            --hf-budget-s 600 --out "$OUT/bench_flash_hf.json" 2>&1 | quiet | tee "$OUT/bench_flash_hf.log" || rc=1 ;;
     load) python3 benchmarks/bench_load.py --dir /tmp/dsv4_flash_ckpt --out "$OUT/bench_load.json" 2>&1 | quiet \
@@ -114,7 +120,7 @@ for what in "$@"; do
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|moe|flash-spec|flash-hf|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -12,7 +12,8 @@ message as the attention block's.
 
 Shape-static trick: an assignment to another rank's expert is pointed at local expert 0 with
 routing weight 0, so the expert kernels see ``T*K`` assignments whatever the routing (the same
-static layout as single-GPU ``Experts``). Those rows cost a little compute; on the grouped-GEMM
+static layout as single-GPU ``Experts``). For a few tokens (``dsv4::moe_gemv``, decode) they are
+id -1 instead, which that op skips without reading weights. Elsewhere they cost a little compute; on the grouped-GEMM
 path (CUDA bf16) they read no extra weight bytes (expert 0 is read once), on the portable blocked
 path they gather expert 0 where single-GPU gathers the real expert (the same bytes).
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from ..model.moe import Experts
+from ..model.moe import Experts, moe_gemv_supported
 
 __all__ = ["ExpertShard"]
 
@@ -46,7 +47,13 @@ class ExpertShard(Experts):
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         local = indices - self.first
         mine = (local >= 0) & (local < self.n_local)
-        partial = super().forward(x, torch.where(mine, local, 0), torch.where(mine, weights, 0))
+        if moe_gemv_supported(x, self.gate_up_proj, indices.numel()):
+            # a few tokens (decode): the op skips ids outside [0, n_local) without reading any weight,
+            # so other ranks' assignments cost nothing here (expert 0 would be read once per such row)
+            partial = torch.ops.dsv4.moe_gemv(x, torch.where(mine, local, -1), weights, self.gate_up_proj,
+                                              self.down_proj, float(self.swiglu_limit))
+        else:
+            partial = super().forward(x, torch.where(mine, local, 0), torch.where(mine, weights, 0))
         return funcol.all_reduce(partial, "sum", self.group)
 
     def extra_repr(self) -> str:
