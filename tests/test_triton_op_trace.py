@@ -145,7 +145,7 @@ def test_every_op_traces_to_its_triton_kernels(traced):
 
 # every kernel each op body may launch (which ones run depends on static sizes)
 OP_KERNELS = {
-    "dsv4::cache_write": ["cache_write_kernel"],
+    "dsv4::cache_write": ["cache_write_kernel", "fp8_cache_write_kernel"],  # bf16 / fp8 caches
     "dsv4::compress": ["compress_kernel"],
     "dsv4::indexer_topk": ["indexer_scores_kernel", "topk_kernel", "topk_row_kernel"],
     "dsv4::moe_gemv": ["moe_down_kernel", "moe_gate_up_kernel"],
