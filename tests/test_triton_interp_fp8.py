@@ -122,6 +122,23 @@ def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_window_without_a_pool_matches_the_reference():
+    # a sliding-window layer of an FP8-cache model: FP8 window ring, no compressed entries (an
+    # empty float pool), decode and split-KV (found on the H200: the launcher refused it)
+    torch.manual_seed(4)
+    B, S, H, D, rope = 2, 1, 4, 144, 16
+    kv = _fp8_kv(torch.randn(B, 10, D, device=DEVICE), rope, 10)
+    q, sink = torch.randn(B, S, H, D, device=DEVICE), torch.randn(H, device=DEVICE)
+    kv_idx = torch.randint(-1, 10, (B, S, 8), dtype=torch.int32, device=DEVICE)
+    cmp = torch.zeros(B, 0, D, device=DEVICE)
+    none = torch.full((B, S, 0), -1, dtype=torch.int32, device=DEVICE)
+    args = (q, kv, kv_idx, cmp, none, torch.zeros(B, S, dtype=torch.int32, device=DEVICE), sink, D**-0.5)
+    want = ref.sparse_attention(*args)
+    for splits in (1, 2):
+        got = sa.sparse_attention(*args, out=torch.full_like(want, float("nan")), num_splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_indexer_topk_matches_the_reference():
     torch.manual_seed(4)
     B, S, HI, DI, N = 2, 3, 4, 32, 11

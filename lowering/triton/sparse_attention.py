@@ -344,7 +344,11 @@ def attention_launches(
     N_CMP = cmp.shape[1] * cmp.shape[2] if cmp8 else cmp.shape[1]
     sink = sink.contiguous()
     if kv8 and not cmp8:
-        raise ValueError("sparse_attention: an FP8 window source needs an FP8 compressed pool")
+        if N_CMP:
+            raise ValueError("sparse_attention: an FP8 window source needs an FP8 compressed pool")
+        # a sliding-window layer has no pool (an empty float stand-in): the window's pages stand in
+        # for it, never read (no entries), so the kernel keeps one FP8 mode for both sources
+        cmp, cmp8 = kv, True
     if not cmp8 and kv.dtype != cmp.dtype:
         raise ValueError(f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
     fp8 = 2 if kv8 else (1 if cmp8 else 0)
