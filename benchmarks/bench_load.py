@@ -47,14 +47,16 @@ MEASURE = textwrap.dedent("""
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak_host = peak_rss()
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = {t.data_ptr(): t for _, t in named if t.numel()}  # shared tensors once
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    on_device = all(t.device.type == dev.type for t in tensors.values())
+    elsewhere = [f"{n} {tuple(t.shape)} {t.device}" for n, t in named if t.device.type != dev.type]
+    on_device = not elsewhere
     peak_gpu = torch.cuda.max_memory_allocated() if cuda else 0
     with torch.no_grad():
         logits = model(torch.randint(0, model.config.vocab_size, (1, 16), device=dev))
     print(json.dumps(dict(seconds=seconds, rss_before=before, peak_host_rss=peak_host, model_bytes=model_bytes,
-                          all_on_device=on_device, peak_gpu_bytes=peak_gpu, logits_finite=bool(logits.isfinite().all()),
+                          all_on_device=on_device, not_on_device=elsewhere[:20], peak_gpu_bytes=peak_gpu, logits_finite=bool(logits.isfinite().all()),
                           logits_std=float(logits.float().std()))))
 """)
 
@@ -94,6 +96,8 @@ def main() -> None:
           f"peak host RSS +{host_extra / 1e9:.2f} GB (largest shard {max(sizes) / 1e9:.2f} GB); peak GPU "
           f"{r['peak_gpu_bytes'] / 1e9:.1f} GB = {r['peak_gpu_bytes'] / r['model_bytes']:.3f}x the model; "
           f"all on {device}: {r['all_on_device']}; logits finite: {r['logits_finite']}", flush=True)
+    if r["not_on_device"]:
+        print(f"[load] not on {device}: {', '.join(r['not_on_device'])}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(r, indent=1))
 

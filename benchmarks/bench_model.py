@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
+from dsv4_ops.reference import fp8_cache  # noqa: E402
 from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
 MODES = {"graphs": dict(compile=True), "compiled": dict(compile=True, cuda_graphs=False), "eager": dict(compile=False)}
@@ -101,31 +102,41 @@ def weight_read_bytes(named_params, cfg: DSV4Config, tokens: int) -> tuple[int, 
     return dense, all_experts * read / max(cfg.n_routed_experts, 1), read
 
 
-def kv_bytes_per_row(cfg: DSV4Config, ctx: int, elem: int) -> int:
+def kv_bytes_per_row(cfg: DSV4Config, ctx: int, elem: int, kv_cache_dtype: str = "auto") -> int:
     """KV one row's step reads at context ``ctx``: every layer its window; CSA its top-k
-    compressed entries and every visible indexer key; HCA every visible compressed entry."""
+    compressed entries and every visible indexer key; HCA every visible compressed entry.
+    An entry is ``head_dim * elem`` bytes (indexer key ``index_head_dim * elem``), or with
+    ``kv_cache_dtype="fp8"`` its FP8 layout's bytes, scales included (584 and 132 at V4 widths)."""
+    if kv_cache_dtype == "fp8":
+        entry = fp8_cache.KVLayout(cfg.head_dim, cfg.rope_head_dim).entry_bytes
+        key = fp8_cache.IndexerLayout(cfg.index_head_dim).entry_bytes
+    else:
+        elem = 2 if kv_cache_dtype == "bf16" else elem
+        entry, key = cfg.head_dim * elem, cfg.index_head_dim * elem
     kv = 0
     for t in cfg.layer_types:
-        kv += min(cfg.sliding_window, ctx) * cfg.head_dim * elem
+        kv += min(cfg.sliding_window, ctx) * entry
         if t == "compressed_sparse_attention":
             n = ctx // cfg.csa_ratio
-            kv += min(cfg.index_topk, n) * cfg.head_dim * elem + n * cfg.index_head_dim * elem
+            kv += min(cfg.index_topk, n) * entry + n * key
         elif t == "heavily_compressed_attention":
-            kv += (ctx // cfg.hca_ratio) * cfg.head_dim * elem
+            kv += (ctx // cfg.hca_ratio) * entry
     return kv
 
 
-def floor_parts(model, cfg: DSV4Config, batch: int, ctx: int, tokens_per_row: int = 1) -> dict:
+def floor_parts(model, cfg: DSV4Config, batch: int, ctx: int, tokens_per_row: int = 1,
+                kv_cache_dtype: str = "auto") -> dict:
     """Bytes a step of ``tokens_per_row`` tokens per row must read at least (main model only):
     ``weights`` (every non-expert weight once, the LM head included), ``experts`` (the routed
-    experts' expected share), ``embed`` (the gathered rows), ``kv``; ``total``; ``floor_ms``."""
+    experts' expected share), ``embed`` (the gathered rows), ``kv`` (in ``kv_cache_dtype``);
+    ``total``; ``floor_ms``."""
     embed = model.model.embed_tokens.weight
     main = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.") and p is not embed]
     tokens = batch * tokens_per_row
     dense, experts, read = weight_read_bytes(main, cfg, tokens)
     parts = dict(weights=dense, experts=experts, experts_read=read,
                  embed=tokens * embed.shape[-1] * embed.element_size(),
-                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize))
+                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize, kv_cache_dtype))
     parts["total"] = int(round(parts["weights"] + parts["experts"] + parts["embed"] + parts["kv"]))
     parts["floor_ms"] = parts["total"] / HBM_BYTES_PER_S * 1e3
     return parts
@@ -171,7 +182,8 @@ def probe_decode_routing(model, ids: torch.Tensor, lengths: torch.Tensor) -> set
     return rec.pairs
 
 
-def routed_floor_parts(model, cfg: DSV4Config, pairs, batch: int, ctx: int, tokens_per_row: int = 1) -> dict:
+def routed_floor_parts(model, cfg: DSV4Config, pairs, batch: int, ctx: int, tokens_per_row: int = 1,
+                       kv_cache_dtype: str = "auto") -> dict:
     """Bytes a step must read given the routing it did (main model; no MTP):
 
         total = W_dense + sum over routed (l, e) of |gate_up_proj[l][e]| + |down_proj[l][e]|
@@ -181,7 +193,7 @@ def routed_floor_parts(model, cfg: DSV4Config, pairs, batch: int, ctx: int, toke
     (attention, shared experts, routers, norms, mHC, LM head). ``pairs``: the unique (layer,
     expert) pairs the step's B*S tokens routed to (``probe_decode_routing`` / ``RoutingRecorder``).
     ``KV(ctx)``: ``kv_bytes_per_row`` (window, CSA top-k entries + every visible indexer key, every
-    visible HCA entry). -> ``weights``, ``experts``, ``experts_routed``, ``embed``, ``kv``,
+    visible HCA entry; FP8 entry bytes with ``kv_cache_dtype="fp8"``). -> ``weights``, ``experts``, ``experts_routed``, ``embed``, ``kv``,
     ``total``, ``floor_ms`` (at 4.3 TB/s)."""
     embed = model.model.embed_tokens.weight
     main = [(n, p) for n, p in model.named_parameters() if not n.startswith("mtp.") and p is not embed]
@@ -190,7 +202,7 @@ def routed_floor_parts(model, cfg: DSV4Config, pairs, batch: int, ctx: int, toke
                   for e in (layer.mlp.experts for layer in model.model.layers)]
     parts = dict(weights=dense, experts=sum(per_expert[layer] for layer, _ in pairs), experts_routed=len(pairs),
                  embed=batch * tokens_per_row * embed.shape[-1] * embed.element_size(),
-                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize))
+                 kv=batch * kv_bytes_per_row(cfg, ctx, model.dtype.itemsize, kv_cache_dtype))
     parts["total"] = parts["weights"] + parts["experts"] + parts["embed"] + parts["kv"]
     parts["floor_ms"] = parts["total"] / HBM_BYTES_PER_S * 1e3
     return parts
@@ -269,14 +281,14 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
         ids = torch.randint(0, cfg.vocab_size, (batch,), generator=rng).to(dev)
         first = first_call_s(lambda: engine.decode(ids), dev)  # the first decode compiles
         t = time_call(lambda: engine.decode(ids), dev, warmup=args.warmup, iters=args.iters)
-        floor = floor_parts(model, cfg, batch, ctx)
+        floor = floor_parts(model, cfg, batch, ctx, kv_cache_dtype=kv_cache_dtype)
         row = dict(mode=mode, batch=batch, context=ctx, ms=t.ms, wall_ms=t.wall_ms, samples=t.samples,
                    warmup=args.warmup, method=t.method, floor_ms=floor["floor_ms"], floor_bytes=floor["total"],
                    experts_read=floor["experts_read"], floor_fraction=floor["floor_ms"] / t.ms,
                    first_call_s=first, context_prefill_s=ctx_prefill)
         if hasattr(engine, "lengths"):  # a Generator: probe the routing of the same step eagerly
             routed = routed_floor_parts(model, cfg, probe_decode_routing(model, ids, engine.lengths[:batch]),
-                                        batch, ctx)
+                                        batch, ctx, kv_cache_dtype=kv_cache_dtype)
             row.update(experts_routed=routed["experts_routed"], routed_floor_bytes=routed["total"],
                        routed_floor_ms=routed["floor_ms"], routed_floor_fraction=routed["floor_ms"] / t.ms)
         rows.append(row)

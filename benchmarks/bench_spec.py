@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -89,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (smoke: 1)")
     ap.add_argument("--ks", type=int, nargs="*", default=None,
                     help="draft tokens per step (default: 1 3; smoke: 1; none: the plain step only)")
-    ap.add_argument("--context", type=int, default=None, help="prompt tokens (default 4096; smoke 24)")
+    ap.add_argument("--context", type=int, nargs="+", default=None,
+                    help="prompt tokens, one run per value on the same model (default 4096; smoke 24)")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=None, metavar=("N_SHORT", "N_LONG"),
                     help="the two generate lengths (default: 8 72; smoke: 2 5)")
     ap.add_argument("--samples", type=int, default=None, help="timed generate calls per length (default 5; smoke 1)")
@@ -105,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
     args = ap.parse_args(argv)
     smoke = args.smoke
-    defaults = dict(batches=[1] if smoke else [1, 16], ks=[1] if smoke else [1, 3], context=24 if smoke else 4096,
+    defaults = dict(batches=[1] if smoke else [1, 16], ks=[1] if smoke else [1, 3], context=[24] if smoke else [4096],
                     new_tokens=[2, 5] if smoke else [8, 72], samples=1 if smoke else 5)
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -132,17 +134,17 @@ def main(argv=None, log=None) -> dict:
             distill = dict(error=f"{type(e).__name__}: {e}")
             log(f"distillation failed, timing the random MTP block: {distill['error']}")
         release(device)
-    ctx, (n_short, n_long) = args.context, args.new_tokens
+    n_short, n_long = args.new_tokens
     res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                          torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                          argv=sys.argv[1:] if argv is None else argv,
                          config="tiny" if args.smoke else args.config, distill=distill,
                          layers=cfg.num_hidden_layers, generator=mode, new_tokens=[n_short, n_long],
                          hbm_bytes_per_s=HBM_BYTES_PER_S),
-               context=ctx, layers=cfg.num_hidden_layers, rows=[], plain=[])
+               contexts=args.context, layers=cfg.num_hidden_layers, rows=[], plain=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for B in args.batches:
+    for ctx, B in itertools.product(args.context, args.batches):
         prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B)).tolist()
         chunk = 512 if B == 1 and not args.smoke else 16 if args.smoke else 64
 
@@ -155,7 +157,8 @@ def main(argv=None, log=None) -> dict:
         plain_floor = floor_parts(model, cfg, B, ctx)["floor_ms"]
         t_plain = plain["step_ms"]
         res["plain"].append(dict(batch=B, context=ctx, plain_ms=t_plain, plain_floor_ms=plain_floor, plain=plain))
-        log(f"B={B}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms; generate "
+        out.write_text(json.dumps(res, indent=1))
+        log(f"B={B} ctx={ctx}: plain decode step {t_plain:.3f} ms (bytes floor {plain_floor:.3f} ms; generate "
             f"{plain['generate_short_ms']:.1f} / {plain['generate_long_ms']:.1f} ms for {n_short} / {n_long} tokens)")
         for k in args.ks:
             spec = step_cost(generator(k), prompts, n_short, n_long, device, args.samples)
@@ -170,7 +173,7 @@ def main(argv=None, log=None) -> dict:
                        tok_s_full_acceptance=B * (k + 1) / t * 1e3,
                        plain=plain, spec=spec)
             res["rows"].append(row)
-            log(f"B={B} k={k}: spec step {t:.3f} ms = {row['ratio']:.2f}x plain (bytes floors: {floor:.3f} ms = "
+            log(f"B={B} ctx={ctx} k={k}: spec step {t:.3f} ms = {row['ratio']:.2f}x plain (bytes floors: {floor:.3f} ms = "
                 f"{row['floor_ratio']:.2f}x plain's, {row['spec_floor_fraction']:.0%} reached); tok/s: "
                 f"{row['tok_s_full_acceptance']:.0f} full acceptance, {row['tok_s_measured']:.0f} measured "
                 f"({row['tokens_per_step']:.2f} tokens/step), {row['tok_s_plain']:.0f} plain")

@@ -22,6 +22,12 @@
 #             dsv4_ops.load_pretrained onto the GPU: seconds, peak host RSS, peak GPU memory (benchmarks/bench_load.py)
 #   flash-32k = the Flash slice's public decode at batch 1, 8 x 32K (the rows the batch-1 / 8 expert path changed)
 #   gpu-tests = the `gpu` tests only (the first half of `tests`)
+#   fp8-tests = the FP8-cache tests on the GPU: the model tests' cuda half and the FP8 kernels compiled (not
+#             interpreted) against the reference, bit for bit
+#   flash-b1 = the Flash slice's decode step inside generate at batch 1 x 4K and 32K (bench_spec.py, plain only)
+#   flash-fp8 = the Flash slice's public decode with kv_cache_dtype bf16 vs fp8 at batch 1 x 4K and 32K
+#   kv-capacity = the longest context whose pool allocates and runs, bf16 vs fp8 (benchmarks/kv_capacity.py,
+#             Flash slice, batch 64, 8-token prefill chunks so the indexer's scores [B, chunk, ctx/4] stay small)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -86,6 +92,15 @@ for what in "$@"; do
            --out "$OUT/bench_spec_flash_b1.json" 2>&1 | quiet | tee "$OUT/bench_spec_flash_b1.log" || rc=1 ;;
     flash-32k) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 32768 --compare-at \
            --iters 30 --out "$OUT/bench_flash_32k.json" 2>&1 | quiet | tee "$OUT/bench_flash_32k.log" || rc=1 ;;
+    fp8-tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_fp8_cache_model.py tests/test_triton_interp_fp8.py \
+           -k "cuda or not cpu" -p no:cacheprovider 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || rc=1 ;;
+    flash-b1) python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks --context 4096 32768 --samples 5 \
+           --out "$OUT/bench_spec_flash_b1_ctx.json" 2>&1 | quiet | tee "$OUT/bench_spec_flash_b1_ctx.log" || rc=1 ;;
+    flash-fp8) python3 benchmarks/bench_model.py --config flash-slice --batches 1 --contexts 4096 32768 --iters 30 \
+                 --prefill-samples 2 --kv-cache-dtype bf16 fp8 --out "$OUT/bench_flash_fp8_b1.json" 2>&1 | quiet \
+                 | tee "$OUT/bench_flash_fp8.log" || rc=1 ;;
+    kv-capacity) python3 benchmarks/kv_capacity.py --config flash-slice --batches 64 --fill 64 --prefill-chunk 8 --step 131072 \
+           --out "$OUT/kv_capacity.json" 2>&1 | quiet | tee "$OUT/kv_capacity.log" || rc=1 ;;
     gpu-tests) OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} -m gpu tests \
         -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/gpu_tests.log" | tail -32 || rc=1 ;;
     flash-hf) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --hf-points 1x4096 \
@@ -120,7 +135,7 @@ for what in "$@"; do
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

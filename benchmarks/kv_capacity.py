@@ -8,7 +8,7 @@ few decode steps), catching ``torch.cuda.OutOfMemoryError``. Reports the context
 bytes and the fp8 / bf16 ratio (issue 15's target: >= 1.7x).
 
     python3 benchmarks/kv_capacity.py --out out/kv_capacity.json                # bench config, B=1
-    python3 benchmarks/kv_capacity.py --batches 1 8 --config flash-slice --out out/kv_capacity_flash.json
+    python3 benchmarks/kv_capacity.py --batches 64 --config flash-slice --fill 64 --step 131072 --out out/kv.json
 """
 from __future__ import annotations
 
@@ -26,11 +26,15 @@ from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 from dsv4_ops import Generator  # noqa: E402
 
 
-def fits(model, batch: int, ctx: int, kv: str, fill: int | None, decode_steps: int = 4) -> tuple[bool, int]:
-    """Allocate and run a ``ctx``-token pool; ``(ok, pool bytes)``."""
+def fits(model, batch: int, ctx: int, kv: str, fill: int | None, chunk: int,
+         decode_steps: int = 4) -> tuple[bool, int, int]:
+    """Allocate and run a ``ctx``-token pool; ``(ok, pool bytes, peak bytes allocated)``."""
     gen = None
+    torch.cuda.reset_peak_memory_stats()
     try:
-        gen = Generator(model, max_batch_size=batch, max_seq_len=ctx, compile=False, prefill_chunk=2048,
+        # a short prefill chunk: the indexer's scores [B, chunk, ctx / m] grow with the pool, and
+        # they (not the cache) would set the limit at a long chunk
+        gen = Generator(model, max_batch_size=batch, max_seq_len=ctx, compile=False, prefill_chunk=chunk,
                         kv_cache_dtype=kv)
         n = ctx - decode_steps if fill is None else min(fill, ctx - decode_steps)
         g = torch.Generator().manual_seed(0)
@@ -39,30 +43,32 @@ def fits(model, batch: int, ctx: int, kv: str, fill: int | None, decode_steps: i
         for _ in range(decode_steps):
             logits = gen.decode(logits.argmax(-1))
         torch.cuda.synchronize()
-        return True, model.cache_nbytes()
+        return True, model.cache_nbytes(), torch.cuda.max_memory_allocated()
     except torch.cuda.OutOfMemoryError:
-        return False, 0
+        return False, 0, 0
     finally:
         del gen
         model.clear_caches()
         torch.cuda.empty_cache()
 
 
-def longest(model, batch: int, kv: str, step: int, fill: int | None, log) -> dict:
+def longest(model, batch: int, kv: str, step: int, fill: int | None, chunk: int, log) -> dict:
     lo, hi = 0, step
     while True:  # grow until it no longer fits
-        ok, _ = fits(model, batch, hi, kv, fill)
+        ok, *_ = fits(model, batch, hi, kv, fill, chunk)
         log(f"  {kv} B={batch} ctx={hi}: {'fits' if ok else 'OOM'}")
         if not ok:
             break
         lo, hi = hi, hi * 2
     while hi - lo > step:  # bisect on multiples of step
         mid = (lo + hi) // 2 // step * step
-        ok, _ = fits(model, batch, mid, kv, fill)
+        ok, *_ = fits(model, batch, mid, kv, fill, chunk)
         log(f"  {kv} B={batch} ctx={mid}: {'fits' if ok else 'OOM'}")
         lo, hi = (mid, hi) if ok else (lo, mid)
-    _, nbytes = fits(model, batch, lo, kv, fill) if lo else (False, 0)
-    return dict(kv_cache_dtype=kv, batch=batch, max_context=lo, pool_bytes=nbytes)
+    _, nbytes, peak = fits(model, batch, lo, kv, fill, chunk) if lo else (False, 0, 0)
+    log(f"  {kv} B={batch}: longest {lo} tokens, pool {nbytes / 2**30:.1f} GiB, peak allocated {peak / 2**30:.1f} GiB")
+    return dict(kv_cache_dtype=kv, batch=batch, max_context=lo, pool_bytes=nbytes, peak_allocated_bytes=peak,
+                weight_bytes=sum(p.nbytes for p in model.parameters()))
 
 
 def main(argv=None) -> dict:
@@ -72,15 +78,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
     ap.add_argument("--step", type=int, default=65536, help="context granularity of the search")
     ap.add_argument("--fill", default="4096", help="prompt tokens per row, or 'full' (the whole context)")
+    ap.add_argument("--prefill-chunk", type=int, default=64, help="prefill chunk (tokens per row per step)")
     ap.add_argument("--config", choices=CONFIGS, default="bench")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_capacity: needs a CUDA GPU (it finds what fits in GPU memory)")
     _, cfg, model = bench_setup(args, "kv_capacity", bench_config)
     fill = None if args.fill == "full" else int(args.fill)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    rows = [longest(model, B, kv, args.step, fill, log) for B in args.batches for kv in args.kv_cache_dtype]
+    rows = [longest(model, B, kv, args.step, fill, args.prefill_chunk, log) for B in args.batches for kv in args.kv_cache_dtype]
     for B in args.batches:
         by = {r["kv_cache_dtype"]: r for r in rows if r["batch"] == B}
         if "bf16" in by and "fp8" in by and by["bf16"]["max_context"]:

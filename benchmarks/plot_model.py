@@ -58,7 +58,8 @@ def spec_panel(ax, spec: dict) -> None:
     ax.axhline(1.5, color="tab:red", lw=1, label="issue target at k=3 (1.5x)")
     ax.set_xlabel("draft tokens k")
     ax.set_ylabel("speculative step / plain decode step")
-    ax.set_title(f"MTP speculative step, ctx {spec['context'] // 1024}K")
+    ctx = spec.get("contexts", [spec.get("context")])[0]  # older results: one "context"
+    ax.set_title(f"MTP speculative step, ctx {ctx // 1024}K")
     ax.set_xticks(sorted({r["k"] for r in spec["rows"]}))
     ax.grid(True, alpha=0.3)
 

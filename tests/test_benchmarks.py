@@ -283,6 +283,18 @@ def test_routed_experts_expected_distinct_count():
     assert not BM.is_routed_expert("model.layers.0.mlp.shared_experts.down_proj.weight")
 
 
+def test_fp8_cache_floor_counts_the_fp8_layout_bytes_by_hand():
+    from benchmarks.random_weights import flash_slice_config
+
+    cfg = flash_slice_config()  # 2 sliding, CSA, HCA; W 128, D 512 (448 nope + 64 rope), m 4 / 128, top-k 512
+    # FP8 entry: 448 e4m3 + 64 bf16 rope + 8 scale bytes = 584; indexer key: 128 e4m3 + fp32 scale = 132
+    fp8_row = 584 * (4 * 128 + 512 + 4096 // 128) + 132 * (4096 // 4)
+    assert BM.kv_bytes_per_row(cfg, 4096, 2, "fp8") == fp8_row == 751872
+    bf16_row = 2 * (512 * (4 * 128 + 512 + 32) + 128 * 1024)
+    assert BM.kv_bytes_per_row(cfg, 4096, 2) == BM.kv_bytes_per_row(cfg, 4096, 4, "bf16") == bf16_row
+    assert 1.7 < bf16_row / fp8_row < 1.8
+
+
 def test_decode_floor_of_the_tiny_config_by_hand():
     cfg = DSV4Config.tiny()  # layers: sliding, CSA, HCA, CSA; W 16, D 64, m 4 / 16, top-k 8, DI 32
     model = DeepseekV4ForCausalLM(cfg)  # fp32: 4 bytes per element

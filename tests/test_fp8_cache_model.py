@@ -179,3 +179,55 @@ def test_speculative_decoding_over_the_fp8_cache_keeps_the_greedy_tokens(model):
     prompts = [[3, 1, 4, 1, 5], list(range(30))]
     plain = Generator(model, **kw).generate(prompts, max_new_tokens=16)
     assert Generator(model, spec_steps=2, **kw).generate(prompts, max_new_tokens=16) == plain
+
+
+# V4's attention widths (64 heads x 512 = 448 nope + 64 rope, window 128, indexer 64 heads x 128,
+# top-512) around a tiny rest: the launch configs the Flash-width kernels really take (block
+# sizes, stages, shared memory), which the head_dim-144 model above never reaches.
+V4_ATTENTION = DSV4Config.tiny(head_dim=512, rope_head_dim=64, num_attention_heads=64, o_groups=8,
+                               sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+                               num_hidden_layers=3, hca_ratio=128, max_position_embeddings=8192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_fp8_cache_at_v4_attention_widths_matches_the_fp8_reference(dtype, bound):
+    """Prefill of 2100 tokens (the CSA pool passes top-512, HCA emits blocks of 128) in 64-token
+    chunks, then decode: the FP8 cache's logits equal the simulated FP8 numerics on float caches.
+    The cache values are identical (e4m3 codes times a power of two are exact in bf16), so what
+    remains is kernel noise; found on the H200: at these widths the FP8 attention config asked
+    more shared memory than sm_90 has."""
+    m = random_model(V4_ATTENTION, dtype=dtype, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
+    feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
+
+    def run(kv_cache_dtype):
+        gen = Generator(m, max_batch_size=2, max_seq_len=2200, prefill_chunk=64, compile=False,
+                        kv_cache_dtype=kv_cache_dtype)
+        return torch.stack([gen.prefill(prompts)] + [gen.decode(feed[t]) for t in range(len(feed))], 1).float()
+
+    fp8_logits = run("fp8")
+    m.simulate_fp8_cache(True)
+    try:
+        want = run("auto")
+    finally:
+        m.simulate_fp8_cache(False)
+    err = _rel(fp8_logits, want)
+    print(f"{dtype}: fp8 cache vs fp8 reference numerics at V4 attention widths, max rel err {err:.2e}")
+    assert fp8_logits.isfinite().all() and err <= bound
+
+
+@pytest.mark.gpu
+def test_compiled_cuda_graphed_fp8_generator_keeps_the_eager_tokens():
+    """The FP8 kernels inside compiled graphs (Inductor copies each wrap_triton kernel's source;
+    the copies once failed with NameError) and CUDA-graph replays: the greedy tokens of the eager
+    FP8 generator, no recompile."""
+    m = random_model(CFG, device="cuda")
+    kw = dict(max_batch_size=4, max_seq_len=96, prefill_chunk=16, kv_cache_dtype="fp8")
+    want = Generator(m, compile=False, **kw).generate(PROMPTS, 24)
+    gen = Generator(m, compile=True, cuda_graphs=True, **kw)
+    gen.generate(PROMPTS, 2)  # compile + record
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert gen.generate(PROMPTS, 24) == want
+    assert gen.stats["recompiles"] == 0 and gen.stats["cuda_graph_replays"] > 0

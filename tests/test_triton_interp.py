@@ -176,6 +176,19 @@ def test_attention_config_fits_shared_memory_for_every_dtype():
                         assert (cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (64, 32, 8, 4)
 
 
+def test_fp8_attention_config_fits_shared_memory_by_what_the_h200_asked():
+    """FP8 caches at V4 widths: the H200's JIT asked 240 KB for the bf16 config at 4 stages and
+    272 KB for fp32 at 2 (OutOfResources at launch, over 227 KB); the FP8 estimate bounds both,
+    and the config it picks fits (bf16: 2 stages, fp32: 1)."""
+    measured = {torch.bfloat16: (4, 245760), torch.float32: (2, 278528)}
+    for dtype, (stages, asked) in measured.items():
+        for S in (1, 64):
+            cfg = attn.attention_config(1, S, 64, 512, 128 + 512, dtype=dtype, fp8=True)
+            assert attn.attention_smem_bytes(dict(cfg, num_stages=stages), dtype.itemsize, fp8=True) >= asked
+            assert attn.attention_smem_bytes(cfg, dtype.itemsize, fp8=True) <= attn.SMEM_LIMIT["cuda"]
+            assert cfg["num_stages"] == (2 if dtype == torch.bfloat16 else 1), cfg
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_sparse_attention_out_of_range_indices_are_skipped(splits, poison, tol):
     """The raw-op contract on the Triton path: indices outside [0, rows) read like -1, as in

@@ -215,7 +215,10 @@ def quantize_keys(k: Tensor) -> tuple[Tensor, Tensor]:
     one power-of-two scale for the whole key, stored as fp32."""
     exp = scale_exponent(k.float().abs().amax(-1, keepdim=True))
     codes = _e4m3(k, exp)
-    return codes, _pow2(exp).view(torch.uint8)
+    # the fp32 scale 2^(exp - 127) has bits exp << 23: its 4 little-endian bytes, by shifts (a chain of
+    # dtype views int32 -> fp32 -> uint8 fails to lower in torch 2.11's Inductor on CPU)
+    bits = exp.to(torch.int32) << 23
+    return codes, torch.cat([(bits >> shift) & 0xFF for shift in (0, 8, 16, 24)], -1).to(torch.uint8)
 
 
 def dequantize_keys(codes: Tensor, scale_bytes: Tensor) -> Tensor:

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_codec as fc
+# by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
+# functions it names, never a module attribute (NameError 'fc' in a compiled graph)
+from .fp8_codec import bf16_bits, e4m3_encode, pow2, scale_exponent
 from ._launch import Launch, launch, next_pow2
 
 __all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch",
@@ -67,8 +69,8 @@ def fp8_cache_write_kernel(
         col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
         live = blk < NOPE // 64
         x = tl.load(row + col * sv_c, mask=live[:, None], other=0.0).to(tl.float32)
-        exp = fc.scale_exponent(tl.max(tl.abs(x), 1))
-        code = fc.e4m3_encode(x * fc.pow2(254 - exp)[:, None])
+        exp = scale_exponent(tl.max(tl.abs(x), 1))
+        code = e4m3_encode(x * pow2(254 - exp)[:, None])
         tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
         tl.store(scales + blk, exp.to(tl.uint8), mask=live)
         pad = tl.arange(0, BLOCK_SB)
@@ -76,7 +78,7 @@ def fp8_cache_write_kernel(
         # rope: bf16, little-endian
         r = tl.arange(0, BLOCK_R)
         rm = r < ROPE
-        bits = fc.bf16_bits(tl.load(row + (NOPE + r) * sv_c, mask=rm, other=0.0))
+        bits = bf16_bits(tl.load(row + (NOPE + r) * sv_c, mask=rm, other=0.0))
         tl.store(data + NOPE + 2 * r, (bits & 0xFF).to(tl.uint8), mask=rm)
         tl.store(data + NOPE + 2 * r + 1, (bits >> 8).to(tl.uint8), mask=rm)
 

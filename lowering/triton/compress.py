@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_codec as fc
+# by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
+# functions it names, never a module attribute (NameError 'fc' in a compiled graph)
+from .fp8_codec import bf16_bits, e4m3_encode, pow2, scale_exponent
 from ._launch import Launch, launch, next_pow2
 
 __all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
@@ -48,15 +50,15 @@ def _store_kv_fp8(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D: tl.constexpr, 
     col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
     live = blk < NOPE // 64
     y2 = tl.reshape(y, (NB, 64))
-    exp = fc.scale_exponent(tl.max(tl.where(live[:, None], tl.abs(y2), 0.0), 1))
-    code = fc.e4m3_encode(y2 * fc.pow2(254 - exp)[:, None])
+    exp = scale_exponent(tl.max(tl.where(live[:, None], tl.abs(y2), 0.0), 1))
+    code = e4m3_encode(y2 * pow2(254 - exp)[:, None])
     tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
     tl.store(scales + blk, exp.to(tl.uint8), mask=live)
     pad = tl.arange(0, BLOCK_SB)
     tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
     ch = tl.arange(0, BLOCK_D)
     rm = (ch >= NOPE) & (ch < d)
-    bits = fc.bf16_bits(y)
+    bits = bf16_bits(y)
     tl.store(data + NOPE + 2 * (ch - NOPE), (bits & 0xFF).to(tl.uint8), mask=rm)
     tl.store(data + NOPE + 2 * (ch - NOPE) + 1, (bits >> 8).to(tl.uint8), mask=rm)
 
@@ -71,9 +73,9 @@ def _store_keys_fp8(y, data, scales, BLOCK_D: tl.constexpr):
             a, b = tl.split(pairs)
             y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BLOCK_D,))
     y = y * (BLOCK_D ** -0.5)
-    exp = fc.scale_exponent(tl.max(tl.abs(y), 0))
+    exp = scale_exponent(tl.max(tl.abs(y), 0))
     j = tl.arange(0, BLOCK_D)
-    tl.store(data + j, fc.e4m3_encode(y * fc.pow2(254 - exp)).to(tl.uint8))
+    tl.store(data + j, e4m3_encode(y * pow2(254 - exp)).to(tl.uint8))
     q = tl.arange(0, 4)
     tl.store(scales + q, ((exp << 23) >> (8 * q) & 0xFF).to(tl.uint8))
 

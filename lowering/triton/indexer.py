@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_codec as fc
+# by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
+# functions it names, never a module attribute (NameError 'fc' in a compiled graph)
+from .fp8_codec import e4m3_decode
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
@@ -92,7 +94,7 @@ def indexer_scores_kernel(
                          | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
                          | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
                 kscale = sbits.to(tl.float32, bitcast=True)
-                keys = (fc.e4m3_decode(code) * kscale[:, None]).to(q_t.dtype)
+                keys = (e4m3_decode(code) * kscale[:, None]).to(q_t.dtype)
             else:
                 keys = tl.load(
                     key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,

@@ -40,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fp8_codec as fc
+# by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
+# functions it names, never a module attribute (NameError 'fc' in a compiled graph)
+from .fp8_codec import bf16_from_bytes, e4m3_decode, pow2
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
@@ -192,7 +194,7 @@ def sparse_attention_kernel(
             rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
             rope_lo = tl.load(rb, mask=m_rope, other=0)
             rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
-            e = tl.where(is_nope[None, :], fc.e4m3_decode(code) * fc.pow2(sc), fc.bf16_from_bytes(rope_lo, rope_hi))
+            e = tl.where(is_nope[None, :], e4m3_decode(code) * pow2(sc), bf16_from_bytes(rope_lo, rope_hi))
             if FP8 == 1:  # window lanes from the float source (concat mode)
                 ew = tl.load(kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
                              mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
@@ -265,27 +267,37 @@ _MAX_SPLITS = 16
 SMEM_LIMIT = {"cuda": 232448, "hip": 65536}
 
 
-def attention_smem_bytes(cfg: dict, elem_bytes: int) -> int:
+def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: bool = False) -> int:
     """Upper estimate of ``sparse_attention_kernel``'s shared memory: the q tile plus
-    ``num_stages`` blocks of entry rows (exact for the bf16 wgmma configs on sm_90)."""
+    ``num_stages`` blocks of entry rows (exact for the bf16 wgmma configs on sm_90).
+
+    An FP8 cache's rows are four pipelined byte gathers per element (code, its scale byte, the
+    two bytes of a rope value) and a decode to ``elem_bytes``; what the JIT asks on the H200 at
+    D = 512 (its pointers specialised; a cross-compile asks less) is bounded by ``elem_bytes +
+    2.5`` bytes per row element and stage: measured 240 KB for bf16 x 4 stages (estimate 352 KB)
+    and 272 KB for fp32 x 2 (estimate 272 KB), both over sm_90's 227 KB at launch."""
+    if fp8:
+        rows = cfg["BLOCK_N"] * cfg["BLOCK_D"] * cfg["num_stages"] * (2 * elem_bytes + 5) // 2
+        return elem_bytes * cfg["BLOCK_H"] * cfg["BLOCK_D"] + rows
     return elem_bytes * cfg["BLOCK_D"] * (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_N"])
 
 
 def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int = 132,
                      num_splits: int | None = None, backend: str = "cuda",
-                     dtype: torch.dtype = torch.bfloat16) -> dict:
+                     dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> dict:
     """Block sizes, warps, stages and split count: a pure function of static sizes.
 
     ``max_entries`` is the static length of a query's entry list the split rule plans for
     (the launcher uses ``W + K`` for CSA (``K > 0``) and ``W + Nc`` otherwise).
-    ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows.
+    ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows
+    (the queries' for an FP8 cache, ``fp8=True``, whose rows are decoded to it).
 
     D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages: wgmma,
     no spills, ~197 KB shared, so one program per SM (the fastest of the H200 sweep);
     gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the largest tile that
     compiles without VGPR/SGPR spills. 4-byte dtypes (fp32) take half the heads per program,
     since their IEEE dots run on FMA units with the operands in registers, and as many stages
-    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2).
+    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2), as do FP8 caches (2).
 
     Split-KV: since one program fills an SM, the programs should make one full wave:
     the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms``, with at most
@@ -305,7 +317,7 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
         num_warps = 4
         num_stages = 1 if hip else 2
     cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
-    while cfg["num_stages"] > 1 and attention_smem_bytes(cfg, elem_bytes) > SMEM_LIMIT[backend]:
+    while cfg["num_stages"] > 1 and attention_smem_bytes(cfg, elem_bytes, fp8) > SMEM_LIMIT[backend]:
         cfg["num_stages"] -= 1
     head_blocks = -(-H // block_h)
     programs = B * S * head_blocks
@@ -367,7 +379,7 @@ def attention_launches(
         max_entries = W + (K if K > 0 else N_CMP)
     wide = q.dtype if fp8 or q.element_size() >= kv.element_size() else kv.dtype
     cfg = dict(config) if config is not None else attention_config(
-        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide)
+        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide, fp8=bool(fp8))
     if num_splits is not None:
         cfg["NUM_SPLITS"] = num_splits
     splits = cfg["NUM_SPLITS"]
