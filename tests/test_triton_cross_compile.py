@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"gfx942": ("hip", "gfx942", 64), "gfx950": ("hip", "gfx950", 64), "sm90": ("cuda", 90, 32)}
@@ -226,11 +227,7 @@ def _worker(target_names):
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, *TARGETS], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_worker(__file__, *TARGETS)
     for r in results:  # the report lands in the test log (-rA / on failure)
         print(r["target"], r["kernel"], r.get("resources"), r.get("error", ""))
     return {(r["target"], r["kernel"]): r for r in results}

@@ -6,11 +6,11 @@ pool (concat mode) and FP8 window + pool (decode, also split-KV), and the indexe
 FP8 keys. The codec uses integer ops only, so no target needs a native e4m3 type."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,11 +106,7 @@ def _worker(target_names):
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, *TARGETS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_worker(__file__, *TARGETS, timeout=900)
     for r in results:
         print(r["target"], r["kernel"], r.get("resources"), r.get("error", ""))
     return {(r["target"], r["kernel"]): r for r in results}

@@ -9,12 +9,11 @@ source Inductor would emit, resolves every global name it loads.
 Runs in a subprocess without ``TRITON_INTERPRET`` (conftest sets it for this process, and
 interpreted kernels are not ``triton.JITFunction``s)."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,10 +67,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -13,11 +13,11 @@ Inductor's code generation itself is checked on the GPU box (tests/test_inductor
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,10 +132,7 @@ def _worker():
 
 @pytest.fixture(scope="module")
 def traced():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_worker(__file__)
 
 
 def test_every_op_traces_to_its_triton_kernels(traced):
