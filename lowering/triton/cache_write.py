@@ -17,7 +17,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bf16_bits, e4m3_encode, pow2, scale_exponent
+from .fp8_codec import store_kv_entry
 from ._launch import Launch, launch, next_pow2
 
 __all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch",
@@ -52,7 +52,7 @@ def fp8_cache_write_kernel(
     sc_b, sc_p,
     sv_b, sv_s, sv_c,
     ss_b, ss_s,
-    NBLK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SB: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SB: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # new row b * S + s
     b = (pid_t // S).to(tl.int64)
@@ -64,23 +64,9 @@ def fp8_cache_write_kernel(
         t = slot % PAGE
         data = page_base + t * DATA_BYTES
         scales = page_base + PAGE * DATA_BYTES + t * SCALE_BYTES
-        # nope: [NBLK, 64] blocks, one ue8m0 scale each
-        blk = tl.arange(0, NBLK)
-        col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
-        live = blk < NOPE // 64
-        x = tl.load(row + col * sv_c, mask=live[:, None], other=0.0).to(tl.float32)
-        exp = scale_exponent(tl.max(tl.abs(x), 1))
-        code = e4m3_encode(x * pow2(254 - exp)[:, None])
-        tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
-        tl.store(scales + blk, exp.to(tl.uint8), mask=live)
-        pad = tl.arange(0, BLOCK_SB)
-        tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
-        # rope: bf16, little-endian
-        r = tl.arange(0, BLOCK_R)
-        rm = r < ROPE
-        bits = bf16_bits(tl.load(row + (NOPE + r) * sv_c, mask=rm, other=0.0))
-        tl.store(data + NOPE + 2 * r, (bits & 0xFF).to(tl.uint8), mask=rm)
-        tl.store(data + NOPE + 2 * r + 1, (bits >> 8).to(tl.uint8), mask=rm)
+        ch = tl.arange(0, BLOCK_D)
+        y = tl.load(row + ch * sv_c, mask=ch < NOPE + ROPE, other=0.0).to(tl.float32)
+        store_kv_entry(y, data, scales, NOPE + ROPE, NOPE, SCALE_BYTES, BLOCK_D, BLOCK_SB)
 
 
 def fp8_cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, rope: int,
@@ -95,8 +81,7 @@ def fp8_cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: tor
     nope = D - rope
     return Launch((B * S,), (cache, values, slots, S, P * page, page, nope, rope, data_bytes, scale_bytes,
                              cache.stride(0), cache.stride(1), *values.stride(), *slots.stride()),
-                  dict(NBLK=max(1, next_pow2(nope // 64)), BLOCK_R=max(2, next_pow2(rope)),
-                       BLOCK_SB=max(2, next_pow2(scale_bytes)), num_warps=4))
+                  dict(BLOCK_D=max(64, next_pow2(D)), BLOCK_SB=max(2, next_pow2(scale_bytes)), num_warps=4))
 
 
 def cache_write_config(C: int) -> dict:

@@ -28,7 +28,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bf16_bits, e4m3_encode, pow2, scale_exponent
+from .fp8_codec import e4m3_encode, pow2, scale_exponent, store_kv_entry
 from ._launch import Launch, launch, next_pow2
 
 __all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
@@ -40,27 +40,6 @@ def _slot_ptrs(pos, fresh, nrow, rrow, chan, new_row0, sn_s, sn_c, ring_row0, sr
     from_new = new_row0 + nrow[:, None] * sn_s + chan * sn_c
     from_ring = ring_row0 + rrow[:, None] * sr_r + chan * sr_c
     return tl.where(fresh[:, None], from_new, from_ring)
-
-
-@triton.jit
-def _store_kv_fp8(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D: tl.constexpr, BLOCK_SB: tl.constexpr):
-    """Quantise the channel-ordered entry ``y [BLOCK_D]`` into an FP8 KV entry (data + scales)."""
-    NB: tl.constexpr = BLOCK_D // 64
-    blk = tl.arange(0, NB)
-    col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
-    live = blk < NOPE // 64
-    y2 = tl.reshape(y, (NB, 64))
-    exp = scale_exponent(tl.max(tl.where(live[:, None], tl.abs(y2), 0.0), 1))
-    code = e4m3_encode(y2 * pow2(254 - exp)[:, None])
-    tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
-    tl.store(scales + blk, exp.to(tl.uint8), mask=live)
-    pad = tl.arange(0, BLOCK_SB)
-    tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
-    ch = tl.arange(0, BLOCK_D)
-    rm = (ch >= NOPE) & (ch < d)
-    bits = bf16_bits(y)
-    tl.store(data + NOPE + 2 * (ch - NOPE), (bits & 0xFF).to(tl.uint8), mask=rm)
-    tl.store(data + NOPE + 2 * (ch - NOPE) + 1, (bits >> 8).to(tl.uint8), mask=rm)
 
 
 @triton.jit
@@ -175,7 +154,7 @@ def compress_kernel(
             data = page_base + (blk % PAGE) * DATA_BYTES
             scales = page_base + PAGE * DATA_BYTES + (blk % PAGE) * SCALE_BYTES
             if FMT == 1:
-                _store_kv_fp8(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D, BLOCK_SB)
+                store_kv_entry(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D, BLOCK_SB)
             else:
                 _store_keys_fp8(y, data, scales, BLOCK_D)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "bf16_bits", "bf16_from_bytes"]
+__all__ = ["scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "bf16_bits", "bf16_from_bytes", "store_kv_entry"]
 
 
 @triton.jit
@@ -74,3 +74,27 @@ def bf16_from_bytes(lo, hi):
     """fp32 value of a little-endian bf16 given as two bytes."""
     bits = ((hi.to(tl.int32) << 8) | lo.to(tl.int32)) << 16
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_kv_entry(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D: tl.constexpr, BLOCK_SB: tl.constexpr):
+    """Quantise the channel-ordered entry ``y [BLOCK_D]`` (its first ``d`` channels: ``NOPE`` nope,
+    then rope) into an FP8 KV entry: e4m3 codes with one ue8m0 scale per 64 nope values, the
+    scale row's padding zeroed, rope as little-endian bf16 bytes (``fp8_cache.quantize_kv``).
+    The one writer of the layout: ``cache_write`` and ``compress`` both call it."""
+    NB: tl.constexpr = BLOCK_D // 64
+    blk = tl.arange(0, NB)
+    col = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+    live = blk < NOPE // 64
+    y2 = tl.reshape(y, (NB, 64))
+    exp = scale_exponent(tl.max(tl.where(live[:, None], tl.abs(y2), 0.0), 1))
+    code = e4m3_encode(y2 * pow2(254 - exp)[:, None])
+    tl.store(data + col, code.to(tl.uint8), mask=live[:, None])
+    tl.store(scales + blk, exp.to(tl.uint8), mask=live)
+    pad = tl.arange(0, BLOCK_SB)
+    tl.store(scales + pad, tl.zeros([BLOCK_SB], tl.uint8), mask=(pad >= NOPE // 64) & (pad < SCALE_BYTES))
+    ch = tl.arange(0, BLOCK_D)
+    rm = (ch >= NOPE) & (ch < d)
+    bits = bf16_bits(y)
+    tl.store(data + NOPE + 2 * (ch - NOPE), (bits & 0xFF).to(tl.uint8), mask=rm)
+    tl.store(data + NOPE + 2 * (ch - NOPE) + 1, (bits >> 8).to(tl.uint8), mask=rm)
