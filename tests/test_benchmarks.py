@@ -25,6 +25,7 @@ from benchmarks.kernel_bench import report  # noqa: E402
 from benchmarks.kernel_bench import roofline as rl  # noqa: E402
 from benchmarks.kernel_bench import run as R  # noqa: E402
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config  # noqa: E402
+from dsv4_ops.reference import fp8_cache as fp8  # noqa: E402
 from dsv4_ops.reference import ops as reference  # noqa: E402
 
 
@@ -57,6 +58,19 @@ def test_sparse_attention_floor_at_v4_shapes():
 def test_indexer_counts_every_visible_key_once():
     # per row: q 4*8*2=64 + weights 4*4=16 + keys 10*8*2=160 + visible 4 + out 3*4=12
     assert rl.indexer_topk_cost(batch=2, heads=4, dim=8, keys=10, topk=3) == (2 * 256, 2 * 2 * 4 * 8 * 10)
+
+
+def test_fp8_cache_counts_whole_entries_and_keeps_the_flops():
+    # V4 widths: a KV entry is 448 e4m3 + 64 bf16 rope + 8 scale bytes, an indexer key 128 + a 4-byte scale
+    assert fp8.KVLayout(512, 64).entry_bytes == 584 and fp8.IndexerLayout(128).entry_bytes == 132
+    # Flash CSA 32K, B=64: the 640 entries read are 584 B each instead of 1024 B; q, out, indices unchanged
+    bf16 = rl.sparse_attention_cost(64, 64, 512, 128, 512, 0)
+    f8 = rl.sparse_attention_cost(64, 64, 512, 128, 512, 0, entry_bytes=584)
+    assert f8.bytes == 64 * (2 * 64 * 512 * 2 + 640 * 584 + 640 * 4 + 4) + 256
+    assert bf16.bytes - f8.bytes == 64 * 640 * (1024 - 584) and f8.flops == bf16.flops
+    # indexer: 10 keys of 132 B (DI = 8 here only for the arithmetic)
+    cost = rl.indexer_topk_cost(2, 4, 8, 10, 3, key_entry_bytes=132)
+    assert cost == (2 * (64 + 16 + 1320 + 4 + 12), 2 * 2 * 4 * 8 * 10)
 
 
 def test_compress_counts_slots_rope_row_and_pool_write():
@@ -122,6 +136,38 @@ def test_case_inputs_are_valid_distinct_and_see_the_full_context():
     assert cmp_len.tolist() == [[ctx // d.hca_ratio]] * B
 
 
+def test_fp8_cases_read_real_quantised_caches_in_the_models_pages():
+    d, B, ctx = C.TINY["flash"], 2, 256
+    rope = 2 * d.rope_half
+    for variant in ("csa", "hca"):
+        case = C.sparse_attention_case(d, variant, B, ctx, "flash", "fp8")
+        q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, _ = _args(case)
+        # the window ring is one page of W entries, a pool has PAGE_SIZE entries a page (as AttentionModule.new_state)
+        assert kv.shape == fp8.KVLayout(d.head_dim, rope, d.window).shape(B, d.window) == (B, 1, d.window, 88)
+        assert cmp.shape == fp8.KVLayout(d.head_dim, rope).shape(B, case.params["Nc"])
+        for cache in (kv, cmp):  # valid codes and scales: decoding then re-quantising gives the same values
+            x = fp8.read_kv(cache, d.head_dim)
+            assert bool(x.isfinite().all()) and bool((x != 0).any(-1).all())
+            assert torch.equal(fp8.simulate_kv(x, rope), x)
+        n = case.params["K"] if variant == "csa" else case.params["dense"]
+        # bytes: every entry read is a whole FP8 entry; q / out / indices as in the bf16 case
+        expect = (2 * q.nbytes + B * (d.window + n) * case.params["entry_bytes"] + kv_idx.nbytes + cmp_idx.nbytes
+                  + cmp_len.nbytes + sink.nbytes)
+        assert case.cost.bytes == expect
+        assert case.cost.flops == C.sparse_attention_case(d, variant, B, ctx, "flash").cost.flops
+        picked = cmp_idx.numel() and int(cmp_idx.max())
+        assert picked < case.params["Nc"] and int(cmp_len.max()) <= case.params["Nc"]
+    case = C.indexer_topk_case(d, B, ctx, "flash", "fp8")
+    q, w, keys, visible, k = _args(case)
+    assert keys.shape == fp8.IndexerLayout(d.index_dim).shape(B, ctx // d.csa_ratio)
+    x = fp8.read_keys(keys)
+    assert bool(x.isfinite().all()) and bool((x != 0).any(-1).all())
+    assert torch.equal(fp8.dequantize_keys(*fp8.quantize_keys(x)), x)
+    keys_read = B * (ctx // d.csa_ratio) * (d.index_dim + 4)
+    assert case.cost.bytes == q.nbytes + w.nbytes + keys_read + visible.nbytes + B * k * 4
+    assert C.alloc_bytes(case) == sum(a.nbytes for a in (q, w, keys, visible))  # sized on meta like the others
+
+
 def test_sinkhorn_reads_and_writes_each_matrix_once():
     assert rl.sinkhorn_cost(batch=64, hc_mult=4) == (64 * 2 * 16 * 4, 0)
 
@@ -131,12 +177,22 @@ def test_quick_grid_and_shared_ops_run_once():
     by_kernel = {k: [c for c in cases if c.kernel == k] for k in C.KERNELS}
     assert [len(by_kernel[k]) for k in C.KERNELS] == [8, 4, 6, 2, 2, 2]
     assert {c.shape for c in by_kernel["plan"]} == {"flash/pro"}
-    assert not any(c.skip for c in cases)
+    assert not any(c.skip for c in cases) and {c.cache for c in cases} == {"bf16"}
+    # --kv-cache-dtype bf16 fp8: an FP8 twin next to each case of the cache readers, the rest once
+    both = C.grid([C.FLASH, C.PRO], C.KERNELS, R.QUICK_GRID["batches"], R.QUICK_GRID["contexts"], ("bf16", "fp8"))
+    assert [len([c for c in both if c.kernel == k]) for k in C.KERNELS] == [16, 8, 6, 2, 2, 2]
+    assert {c.kernel for c in both if c.cache == "fp8"} == set(C.FP8_KERNELS)
+    assert [c.cache for c in both[:2]] == ["bf16", "fp8"] and both[0].seed != both[1].seed
+    assert [c.seed for c in both if c.cache == "bf16"] == [c.seed for c in cases]  # bf16 inputs as before
+    with pytest.raises(ValueError, match="unknown cache dtype"):
+        C.grid([C.FLASH], ("indexer_topk",), [1], [8192], ("fp16",))
 
 
 def test_meta_sizing_needs_no_memory():
     case = C.sparse_attention_case(C.PRO, "csa", 128, 131072, "pro")
     assert C.alloc_bytes(case) >= 128 * 32768 * 512 * 2  # the 4.3 GB pool, sized on the meta device
+    case = C.sparse_attention_case(C.PRO, "csa", 128, 131072, "pro", "fp8")
+    assert C.alloc_bytes(case) >= 128 * 32768 * 584  # its 2.4 GB FP8 twin, not quantised on meta
 
 
 # ---- memory planning, rotation, checks ------------------------------------------------------
@@ -188,15 +244,18 @@ def test_markdown_table(tmp_path):
     path = tmp_path / "t.md"
     report.write_markdown(path, dict(device="H200", torch="2.11", triton="3.6", date="today"), rows)
     text = path.read_text()
-    assert "| kernel | shape | batch | ctx | time µs | reference µs | speedup | floor µs | fraction |" in text
+    assert ("| kernel | shape | cache | batch | ctx | time µs | reference µs | speedup | floor µs | fraction |"
+            in text)
     r = rows[0]  # Flash CSA, B=1, 32K: floor 0.184 us; time = 2 * floor + 3
     assert r["label"] == "sparse_attention csa" and r["batch"] == 1
-    assert (f"| sparse_attention csa | flash | 1 | 32K | {r['time_us']:.2f} | 500.0 | {r['speedup']:.3g}× | "
+    assert (f"| sparse_attention csa | flash | bf16 | 1 | 32K | {r['time_us']:.2f} | 500.0 | {r['speedup']:.3g}× | "
             f"{r['floor_us']:.3g} | {r['fraction'] * 100:.3g}% |") in text
     assert "| skipped | – | – |" in text
     assert "exceed the budget" in text and "reference not timed" in text and "DISAGREE" in text
     assert "not L2-cold (too little data to rotate past 2x L2 with the input copies allowed): plan (B=1, 64)" in text
     assert text.count("\n| ") == len(rows) + 1  # header + one line per row
+    old = [{k: v for k, v in r.items() if k != "cache"} for r in rows]  # a JSON from before FP8 rows existed
+    assert report.markdown({}, old).split("\n| ")[1:] == report.markdown({}, rows).split("\n| ")[1:]
 
 
 def test_json_round_trip(tmp_path):
@@ -219,13 +278,16 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
     p = argparse.ArgumentParser()
     R.add_arguments(p)
     args = p.parse_args(["--tiny", "--device", "cpu", "--batches", "2", "--target-ms", "1", "--no-plot",
-                         "--out", str(tmp_path)])
+                         "--kv-cache-dtype", "bf16", "fp8", "--out", str(tmp_path)])
     lines = []
     assert R.run(args, strict=True, log=lines.append) == 0
     rows = json.loads((tmp_path / "bench_ops.json").read_text())["rows"]
-    assert len(rows) == 12 and len(lines) == 12 + 2  # header, one line per case, summary
+    # 12 bf16 cases + FP8 twins of the 4 attention and 2 indexer cases; each FP8 row checked too
+    assert len(rows) == 18 and len(lines) == 18 + 2  # header, one line per case, summary
     assert all(r["status"] == "ok" and r["check"]["ok"] and r["time_us"] > 0 and r["ref_us"] > 0 for r in rows)
-    assert (tmp_path / "bench_ops.md").read_text().count("\n| ") == 13
+    fp8_rows = sorted(r["label"] for r in rows if r["cache"] == "fp8")
+    assert fp8_rows == ["indexer_topk"] * 2 + ["sparse_attention csa"] * 2 + ["sparse_attention hca"] * 2
+    assert (tmp_path / "bench_ops.md").read_text().count("\n| ") == 19
     # --from-json: the same table again, from the JSON alone
     assert R.render(tmp_path / "bench_ops.json", tmp_path / "again", plot=False, log=lines.append) == 0
     assert (tmp_path / "again" / "bench_ops.md").read_text() == (tmp_path / "bench_ops.md").read_text()

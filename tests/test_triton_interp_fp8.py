@@ -2,7 +2,8 @@
 bit where they write bytes: the integer codec against torch's e4m3 / bf16 casts, the quantising
 ``cache_write`` and ``compress`` (KV layout and Hadamard-rotated indexer keys), and the readers
 (``sparse_attention`` with an FP8 pool, with FP8 window + pool, split-KV; ``indexer_topk`` over
-FP8 keys). Under ``TRITON_INTERPRET=1`` on CPU (tiny grids), compiled kernels on a GPU.
+FP8 keys), also on the per-kernel benchmark's FP8 inputs. Under ``TRITON_INTERPRET=1`` on CPU
+(tiny grids), compiled kernels on a GPU.
 Every destination starts poisoned."""
 import os
 
@@ -153,3 +154,25 @@ def test_fp8_indexer_topk_matches_the_reference():
     assert torch.equal(got, want)
     scores = ix.indexer_scores(q, w, keys, vis)
     torch.testing.assert_close(scores, ref.indexer_scores(q, w, fp8.read_keys(keys), vis), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_benchmarks_fp8_cases_run_through_the_kernels():
+    # benchmarks/kernel_bench/cases.py builds the FP8 rows of bench_ops (gpu_check.sh ops-fp8): its pages
+    # (window ring = one page of W entries, pools of PAGE_SIZE) must be what the kernels read; tiny widths
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not installed
+    from benchmarks.kernel_bench import cases as C
+
+    torch.manual_seed(5)
+    d = C.TINY["flash"]
+    for variant in ("csa", "hca"):
+        args = C.sparse_attention_case(d, variant, 2, 256, "flash", "fp8").make(DEVICE)
+        want = ref.sparse_attention(*args)
+        for splits in (1, 2):
+            got = sa.sparse_attention(*args, out=torch.full_like(want, float("nan")), num_splits=splits)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bf16 outputs
+    args = C.indexer_topk_case(d, 2, 256, "flash", "fp8").make(DEVICE)
+    want = ref.indexer_topk(*args)
+    assert torch.equal(ix.indexer_topk(*args, out=torch.full_like(want, 77)), want)

@@ -7,11 +7,22 @@ from pathlib import Path
 
 from . import roofline as rl
 
-COLUMNS = ("kernel", "shape", "batch", "ctx", "time µs", "reference µs", "speedup", "floor µs", "fraction")
+COLUMNS = ("kernel", "shape", "cache", "batch", "ctx", "time µs", "reference µs", "speedup", "floor µs", "fraction")
 TIMING_CUDA = ("triton.testing.do_bench_cudagraph: median of CUDA-graph replays, each a pass over rotated input "
                "copies (L2-cold)")
 TIMING_CPU = "CPU wall clock (smoke run: on CPU the op runs the reference too; floors are H200 numbers)"
 LINESTYLES = {"flash": "-", "pro": "--"}  # anything else (ops shared by both shapes): dotted
+MARKERS = {"bf16": "o", "fp8": "s"}  # per KV-cache dtype
+
+
+def cache(r: dict) -> str:
+    """The row's KV-cache dtype; rows of runs before FP8 cases existed were all bf16."""
+    return r.get("cache", "bf16")
+
+
+def name(r: dict) -> str:
+    """Label plus the cache dtype when it is not bf16: one name per plotted line / note."""
+    return r["label"] if cache(r) == "bf16" else f"{r['label']} {cache(r)}"
 
 
 def ctx_label(ctx: int) -> str:
@@ -34,7 +45,7 @@ def table_row(r: dict) -> str:
     else:
         time, ref, frac = _num(r["time_us"]), _num(r.get("ref_us")), _pct(r["fraction"])
         speedup = "–" if r.get("speedup") is None else f"{r['speedup']:.3g}×"
-    cells = (r["label"], r["shape"], str(r["batch"]), ctx_label(r["ctx"]), time, ref, speedup,
+    cells = (r["label"], r["shape"], cache(r), str(r["batch"]), ctx_label(r["ctx"]), time, ref, speedup,
              _num(r["floor_us"]), frac)
     return "| " + " | ".join(cells) + " |"
 
@@ -43,7 +54,7 @@ def notes(rows: list[dict]) -> list[str]:
     """One line per row that needs a caveat next to its numbers."""
     out, warm = [], {}
     for r in rows:
-        case = f"{r['label']} {r['shape']} B={r['batch']} ctx={ctx_label(r['ctx'])}"
+        case = f"{name(r)} {r['shape']} B={r['batch']} ctx={ctx_label(r['ctx'])}"
         if r["status"] != "ok":
             out.append(f"{case}: {r['status']}: {r.get('reason')}")
             continue
@@ -56,7 +67,7 @@ def notes(rows: list[dict]) -> list[str]:
             out.append(f"{case}: CUDA-graph capture failed, timed eager calls with triton.testing.do_bench "
                        "(L2 flushed per call; may include launch overhead)")
         if r.get("l2_cold") is False:
-            warm.setdefault(r["label"], set()).add(r["batch"])
+            warm.setdefault(name(r), set()).add(r["batch"])
     if warm:  # one line: these are the tiny, latency-bound ops
         which = "; ".join(f"{lab} (B={', '.join(map(str, sorted(b)))})" for lab, b in sorted(warm.items()))
         out.append(f"not L2-cold (too little data to rotate past 2x L2 with the input copies allowed): {which}")
@@ -71,10 +82,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"Time: {TIMING_CPU if meta.get('device') == 'cpu' else TIMING_CUDA}; "
         f"reference = `dsv4_ops.reference.ops` on the same inputs. Floor = max(bytes / "
         f"{rl.HBM_BYTES_PER_S / 1e12:.1f} TB/s, bf16 flops / {rl.BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s); "
-        f"fraction = floor / time.",
+        f"fraction = floor / time. Cache = the KV-cache dtype the op reads (fp8: FlashMLA's V4 layout, "
+        "its floor counts the FP8 entry bytes, scales included).",
         "",
         "| " + " | ".join(COLUMNS) + " |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines = head + [table_row(r) for r in rows]
     extra = notes(rows)
@@ -97,7 +109,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
 
 def plot(path: Path, rows: list[dict]) -> bool:
     """Fraction of the floor vs batch: one panel per context, one colour per kernel, one line
-    style per shape. Returns False (with a message) when matplotlib is not installed."""
+    style per shape, one marker per cache dtype. Returns False (with a message) when matplotlib
+    is not installed."""
     try:
         import matplotlib
 
@@ -116,10 +129,10 @@ def plot(path: Path, rows: list[dict]) -> bool:
     colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4.5), sharey=True, squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
-        for lab, shape in sorted({(r["label"], r["shape"]) for r in ok if r["ctx"] == ctx}):
+        for lab, shape, dt in sorted({(r["label"], r["shape"], cache(r)) for r in ok if r["ctx"] == ctx}):
             pts = sorted((r["batch"], r["fraction"]) for r in ok if r["ctx"] == ctx and r["label"] == lab
-                         and r["shape"] == shape)
-            ax.plot(*zip(*pts), marker="o", color=colors[lab], linestyle=LINESTYLES.get(shape, ":"))
+                         and r["shape"] == shape and cache(r) == dt)
+            ax.plot(*zip(*pts), marker=MARKERS.get(dt, "x"), color=colors[lab], linestyle=LINESTYLES.get(shape, ":"))
         ax.set(xscale="log", yscale="log", title=f"context {ctx_label(ctx)}", xlabel="batch")
         ax.set_xticks(sorted({r["batch"] for r in ok}), labels=[str(b) for b in sorted({r["batch"] for r in ok})])
         ax.grid(True, which="both", alpha=0.3)
@@ -127,6 +140,10 @@ def plot(path: Path, rows: list[dict]) -> bool:
     shapes = sorted({r["shape"] for r in ok})
     handles = [Line2D([], [], color=colors[lab], marker="o", label=lab) for lab in labels]
     handles += [Line2D([], [], color="gray", linestyle=LINESTYLES.get(s, ":"), label=s) for s in shapes]
+    caches = sorted({cache(r) for r in ok})
+    if len(caches) > 1:  # a bf16-only run keeps its legend
+        handles += [Line2D([], [], color="gray", marker=MARKERS.get(c, "x"), linestyle="", label=f"{c} cache")
+                    for c in caches]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize="small")
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,36 +37,42 @@ def bound(cost: Cost) -> str:
 
 
 def sparse_attention_cost(batch: int, heads: int, head_dim: int, window: int, picked: int, dense: int,
-                          act_bytes: int = 2) -> Cost:
+                          act_bytes: int = 2, entry_bytes: int | None = None) -> Cost:
     """Decode sparse attention, per row: ``E = window + picked + dense`` entries
     (CSA: ``W + K`` picked; HCA: ``W + ctx/128`` visible, ``picked = 0``).
 
     bytes = B * (H*D*a          q
-                 + E*D*a        each gathered entry row (kv or cmp), read once
+                 + E*e          each gathered entry (kv or cmp), read once
                  + (W + K)*4    kv_idx, cmp_idx
                  + 4            cmp_len
                  + H*D*a)       output
             + H*4               sink (shared by all rows)
     flops = B * 4*H*D*E         (q.e for every head and entry, then p.e: 2 flops per MAC each)
-    with ``a = act_bytes`` (2 for bf16).
+    with ``a = act_bytes`` (2 for bf16) and ``e = entry_bytes``: ``D*a`` for a float cache, an FP8
+    cache's whole entry (``fp8_cache.KVLayout.entry_bytes``, scales included: 584 at V4 widths).
+    The flops do not change with the cache: the kernel decodes FP8 entries to bf16 and multiplies those.
     """
     entries = window + picked + dense
-    per_row = (2 * heads * head_dim * act_bytes + entries * head_dim * act_bytes
+    entry = head_dim * act_bytes if entry_bytes is None else entry_bytes
+    per_row = (2 * heads * head_dim * act_bytes + entries * entry
                + (window + picked) * INDEX_BYTES + INDEX_BYTES)
     return Cost(batch * per_row + heads * SINK_BYTES, batch * 4 * heads * head_dim * entries)
 
 
 def indexer_topk_cost(batch: int, heads: int, dim: int, keys: int, topk: int, q_bytes: int = 2,
-                      weight_bytes: int = 4, key_bytes: int = 2) -> Cost:
+                      weight_bytes: int = 4, key_bytes: int = 2, key_entry_bytes: int | None = None) -> Cost:
     """Decode lightning indexer over ``N = keys`` visible keys (``ctx / 4``), per row:
 
     bytes = B * (HI*DI*q + HI*w     q, per-head weights
-                 + N*DI*k           every visible key, read once
+                 + N*r              every visible key, read once
                  + 4                visible
                  + topk*4)          output indices
     flops = B * 2*HI*DI*N           (the q.k dots; ReLU and the weighted head sum are elementwise)
+    with ``r = key_entry_bytes``: ``DI*k`` for float keys, an FP8 key's ``DI + 4`` (e4m3 codes and
+    its fp32 scale, ``fp8_cache.IndexerLayout.entry_bytes``: 132 at V4 widths).
     """
-    per_row = heads * dim * q_bytes + heads * weight_bytes + keys * dim * key_bytes + INDEX_BYTES + topk * INDEX_BYTES
+    key = dim * key_bytes if key_entry_bytes is None else key_entry_bytes
+    per_row = heads * dim * q_bytes + heads * weight_bytes + keys * key + INDEX_BYTES + topk * INDEX_BYTES
     return Cost(batch * per_row, batch * 2 * heads * dim * keys)
 
 

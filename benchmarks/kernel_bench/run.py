@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", choices=["flash", "pro"], default=["flash", "pro"],
                    help="V4-Flash (H=64, top-k 512) and/or V4-Pro (H=128, top-k 1024)")
     p.add_argument("--kernels", nargs="+", choices=C.KERNELS, default=list(C.KERNELS))
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=C.CACHES, default=["bf16"],
+                   help=f"KV-cache dtype(s) of the ops that read the cache ({', '.join(C.FP8_KERNELS)}): one row "
+                        "per dtype; fp8 = FlashMLA's V4 layout (584 B per KV entry, 132 B per indexer key at V4 "
+                        "widths). The other ops run once, bf16 (default: %(default)s)")
     p.add_argument("--mem-gb", type=float, default=60.0, help="memory budget per case (default: %(default)s)")
     p.add_argument("--target-ms", type=float, default=100.0,
                    help="device time of the samples of one measurement (CUDA: 10 replays of a tenth each)")
@@ -59,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def describe(case: C.Case) -> dict:
-    return dict(kernel=case.kernel, variant=case.variant, label=case.label, shape=case.shape, batch=case.batch,
-                ctx=case.ctx, params=case.params, bytes=case.cost.bytes, flops=case.cost.flops,
+    return dict(kernel=case.kernel, variant=case.variant, label=case.label, shape=case.shape, cache=case.cache,
+                batch=case.batch, ctx=case.ctx, params=case.params, bytes=case.cost.bytes, flops=case.cost.flops,
                 floor_us=rl.floor_us(case.cost), bound=rl.bound(case.cost), status="ok", reason=None,
                 time_us=None, ref_us=None, ref_reason=None, speedup=None, fraction=None, ref_fraction=None)
 
@@ -187,7 +191,7 @@ def measure(case: C.Case, device: torch.device, budget: float, target_ms: float,
 
 
 def progress(i: int, n: int, elapsed: float, r: dict) -> str:
-    head = (f"[{i:>3}/{n} {elapsed:7.1f}s] {r['label']:<22} {r['shape']:<9} B={r['batch']:<4} "
+    head = (f"[{i:>3}/{n} {elapsed:7.1f}s] {r['label']:<22} {r['shape']:<9} {r['cache']:<4} B={r['batch']:<4} "
             f"ctx={report.ctx_label(r['ctx']):<5}")
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['reason']}"
@@ -233,10 +237,11 @@ def run(args: argparse.Namespace, strict: bool = False, log=print) -> int:
     grid = TINY_GRID if args.tiny else QUICK_GRID if args.quick else FULL_GRID
     batches, contexts = args.batches or grid["batches"], args.contexts or grid["contexts"]
     dims = [(C.TINY[s] if args.tiny else {"flash": C.FLASH, "pro": C.PRO}[s]) for s in args.shapes]
-    cases = C.grid(dims, tuple(args.kernels), batches, contexts)
+    cases = C.grid(dims, tuple(args.kernels), batches, contexts, tuple(args.kv_cache_dtype))
     out = Path(args.out)
     meta = _meta(args, device)
-    meta.update(batches=batches, contexts=contexts, shapes=args.shapes, kernels=list(args.kernels))
+    meta.update(batches=batches, contexts=contexts, shapes=args.shapes, kernels=list(args.kernels),
+                kv_cache_dtypes=list(args.kv_cache_dtype))
     log(f"bench_ops on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}): {len(cases)} cases, "
         f"budget {args.mem_gb:g} GB -> {out}/bench_ops.*")
     rows: list[dict] = []
@@ -254,7 +259,8 @@ def run(args: argparse.Namespace, strict: bool = False, log=print) -> int:
         f"in {time.perf_counter() - t0:.0f} s")
     failed = [r for r in rows if r["status"] == "error" or not (r.get("check") or {}).get("ok", True)]
     for r in failed:
-        log(f"FAILED: {r['label']} {r['shape']} B={r['batch']} ctx={r['ctx']}: {r['reason'] or r['check']}")
+        log(f"FAILED: {r['label']} {r['shape']} {r['cache']} B={r['batch']} ctx={r['ctx']}: "
+            f"{r['reason'] or r['check']}")
     return 1 if failed else 0
 
 
