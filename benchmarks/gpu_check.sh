@@ -30,6 +30,8 @@
 #             Flash slice, batch 64, 8-token prefill chunks so the indexer's scores [B, chunk, ctx/4] stay small)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
+#   gemv    = dense decode projections at Flash widths, 1-8 tokens: dsv4::gemv vs cuBLAS vs the bytes floor, after a
+#             launch-config sweep at one token (benchmarks/bench_gemv.py --sweep), + the gemv tests on the GPU
 #   ops-fp8 = per-kernel benchmark of the cache readers with a bf16 vs an FP8 KV cache (issue #15): sparse_attention
 #             CSA + HCA and indexer_topk, Flash widths, batch 1, 64, 128 x context 32K, 128K (36 cases)
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -137,10 +139,13 @@ for what in "$@"; do
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
     ops) python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -30 || rc=1 ;;
     ops-full) python3 benchmarks/bench_ops.py --out "$OUT/bench_ops" 2>&1 | quiet | tee "$OUT/bench_ops.log" | tail -60 || rc=1 ;;
+    gemv) { python3 -m pytest -q -m "gpu or not gpu" tests/ops/test_gemv.py -p no:cacheprovider &&
+            python3 benchmarks/bench_gemv.py --sweep --out "$OUT/bench_gemv.json"; } 2>&1 | quiet \
+            | tee "$OUT/bench_gemv.log" | grep -v "^\[sweep\] [0-9]" || rc=1 ;;
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

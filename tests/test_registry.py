@@ -38,7 +38,7 @@ def test_every_op_has_the_test_template():
 
 class TestSchemas(expecttest.TestCase):
     def test_every_schema_is_pinned(self):
-        pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv"}
+        pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv"}
         self.assertEqual(set(dsv4_op_names()), pinned, "pin the schema of every new op below")
 
     def test_schemas(self):
@@ -47,6 +47,7 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(str(ops.cache_write.default._schema), """dsv4::cache_write(Tensor(a0!) cache, Tensor values, Tensor slots) -> ()""")
         self.assertExpectedInline(str(ops.compress.default._schema), """dsv4::compress(Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, Tensor start, Tensor emit, Tensor norm_weight, Tensor cos, Tensor sin, Tensor(a9!) pool, SymInt ratio, bool overlap, float eps) -> ()""")
         self.assertExpectedInline(str(ops.indexer_topk.default._schema), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor visible, SymInt topk) -> Tensor""")
+        self.assertExpectedInline(str(ops.gemv.default._schema), """dsv4::gemv(Tensor x, Tensor weight) -> Tensor""")
         self.assertExpectedInline(str(ops.moe_gemv.default._schema), """dsv4::moe_gemv(Tensor x, Tensor indices, Tensor weights, Tensor w13, Tensor w2, float limit) -> Tensor""")
         self.assertExpectedInline(str(ops.sinkhorn.default._schema), """dsv4::sinkhorn(Tensor comb, SymInt iters, float eps) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")

@@ -34,6 +34,7 @@ def _launches(backend: str):
     sys.path.insert(0, str(ROOT))
     from lowering.triton import cache_write as cw
     from lowering.triton import compress as cp
+    from lowering.triton import gemv as gv
     from lowering.triton import indexer as ix
     from lowering.triton import moe_gemv as mg
     from lowering.triton import plan as pl
@@ -46,7 +47,7 @@ def _launches(backend: str):
         if spec is not None:
             recorded.append((kernel, spec.args, spec.meta))
 
-    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = mg.launch = record
+    sa.launch = ix.launch = pl.launch = cw.launch = cp.launch = sk.launch = mg.launch = gv.launch = record
     meta_dev = torch.device("meta")
 
     def attention(name, B, heads, dim, dtype, num_splits=None, S=1):
@@ -136,6 +137,10 @@ def _launches(backend: str):
                 torch.empty(1, 6, **f32), torch.empty(256, 4096, 4096, **bf16), torch.empty(256, 4096, 2048, **bf16), 10.0)
     assert len(recorded) == start + 2, "moe_gemv: gate/up + down"
     out += [("moe_gate_up",) + recorded[-2], ("moe_down",) + recorded[-1]]
+    # dense decode projections: q_b of one token, then 8 tokens (the most the op takes) in bf16
+    for name, T in (("gemv_decode", 1), ("gemv_8_tokens", 8)):
+        gv.gemv(torch.empty(T, 1, 1024, **bf16), torch.empty(1, 32768, 1024, **bf16))
+        out.append((name,) + recorded[-1])
     return out
 
 
@@ -239,7 +244,8 @@ KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combi
            "attention_tiny_fp32", "attention_fp32_decode", "attention_fp32_decode_split",
            "attention_fp32_decode_combine", "attention_fp32_prefill", "indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
            "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
-           "compress_csa", "compress_hca", "compress_indexer", "sinkhorn", "moe_gate_up", "moe_down"]
+           "compress_csa", "compress_hca", "compress_indexer", "sinkhorn", "moe_gate_up", "moe_down",
+           "gemv_decode", "gemv_8_tokens"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

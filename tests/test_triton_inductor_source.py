@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_triton_op_trace import OP_KERNELS  # noqa: E402
 
-MODULES = ("cache_write", "compress", "indexer", "moe_gemv", "plan", "sinkhorn", "sparse_attention")
+MODULES = ("cache_write", "compress", "gemv", "indexer", "moe_gemv", "plan", "sinkhorn", "sparse_attention")
 HEADER = "import triton\nimport triton.language as tl\n"  # what Inductor's kernel module imports
 NAMES = sorted({k for ks in OP_KERNELS.values() for k in ks})
 

@@ -36,6 +36,7 @@ EXPECTED = [
     ("combine_kernel", ["out_ptr"]),
     ("moe_gate_up_kernel", ["h_ptr"]),  # routed experts of the step's tokens
     ("moe_down_kernel", ["out_ptr"]),
+    ("gemv_kernel", ["y_ptr"]),  # a grouped projection of one token
 ]
 
 
@@ -75,7 +76,7 @@ def _worker():
     B, S, H, D, HI, DI = 2, 4, 4, 64, 4, 32
 
     def step(lengths, n_new, q, kv_new, ckv, cgate, iq, iw, sink, norm_w, cos, sin, win, ring_kv, ring_gate, pool,
-             ikeys, x, experts, router_w, w13, w2):
+             ikeys, x, experts, router_w, w13, w2, xg, wg):
         p = dsv4_ops.plan(lengths, n_new, S, 1, 4, 8, False, 4, 8, 8, 8)
         dsv4_ops.cache_write(win, kv_new, p.win_write[0])
         dsv4_ops.compress(ring_kv, ring_gate, ckv, cgate, lengths, p.csa_emit[0], norm_w, cos, sin, pool, 4, True,
@@ -88,14 +89,15 @@ def _worker():
         # HCA-style: dense prefix of 200 entries, no picks -> split-KV + combine
         hca = dsv4_ops.sparse_attention(q, win, p.win_idx[0], pool, picked[..., :0], p.hca_len[0], sink, D**-0.5)
         moe = dsv4_ops.ops.moe_gemv(x, experts, router_w, w13, w2, 10.0)
-        return csa, hca, picked, moe
+        proj = dsv4_ops.ops.gemv(xg, wg)
+        return csa, hca, picked, moe, proj
 
     with FakeTensorMode():
         t = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
         args = [t(B, dtype=torch.int32), t(B, dtype=torch.int32), t(B, S, H, D), t(B, S, D), t(B, S, 2 * D),
                 t(B, S, 2 * D), t(B, S, HI, DI), t(B, S, HI), t(H), t(D), t(80, 8), t(80, 8), t(B, 8, D),
                 t(B, 8, 2 * D), t(B, 8, 2 * D), t(B, 200, D), t(B, 16, DI), t(B, D), t(B, 6, dtype=torch.int64),
-                t(B, 6), t(8, 64, D), t(8, D, 32)]
+                t(B, 6), t(8, 64, D), t(8, D, 32), t(1, 2, D), t(2, 16, D)]
         gm = make_fx(dispatch_functionalize(step), tracing_mode="real")(*args)
     launches, leftover = [], []
     for node in gm.graph.nodes:
@@ -145,6 +147,7 @@ OP_KERNELS = {
     "dsv4::cache_write": ["cache_write_kernel", "fp8_cache_write_kernel"],  # bf16 / fp8 caches
     "dsv4::compress": ["compress_kernel"],
     "dsv4::indexer_topk": ["indexer_scores_kernel", "topk_kernel", "topk_row_kernel"],
+    "dsv4::gemv": ["gemv_kernel"],
     "dsv4::moe_gemv": ["moe_down_kernel", "moe_gate_up_kernel"],
     "dsv4::plan": ["plan_kernel"],
     "dsv4::sinkhorn": ["sinkhorn_kernel"],

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from ..config import CSA, HCA, SLIDING, DSV4Config
 from ..reference import fp8_cache as fp8
 from ..reference.ops import apply_rope, rms_norm
+from .linear import Linear, grouped_linear
 from .plan import RingSizes, StepMeta, ring_sizes
 
 __all__ = ["Attention", "AttentionState", "RMSNorm", "Compressor", "Indexer"]
@@ -96,8 +97,8 @@ class Compressor(nn.Module):
         super().__init__()
         c = 2 if overlap else 1
         self.dim, self.ratio, self.overlap, self.eps = dim, ratio, overlap, eps
-        self.kv_proj = nn.Linear(hidden, c * dim, bias=False)
-        self.gate_proj = nn.Linear(hidden, c * dim, bias=False)
+        self.kv_proj = Linear(hidden, c * dim, bias=False)
+        self.gate_proj = Linear(hidden, c * dim, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, c * dim, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
 
@@ -119,7 +120,7 @@ class Compressor(nn.Module):
 class Scorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+        self.weights_proj = Linear(hidden, n_heads, bias=False)
 
 
 class Indexer(Compressor):
@@ -129,7 +130,7 @@ class Indexer(Compressor):
     def __init__(self, cfg: DSV4Config) -> None:
         super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps)
         self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads)
         # HF: sum_h (w_h * HI^-0.5) * relu(q_h . k) * DI^-0.5; both scales folded into w.
         self.weight_scale = cfg.index_head_dim**-0.5 * cfg.index_n_heads**-0.5
@@ -167,13 +168,13 @@ class Attention(nn.Module):
         self.o_groups = cfg.o_groups  # this module's heads / groups: a tensor-parallel shard holds a slice
         self.scale = D**-0.5
 
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
-        self.kv_proj = nn.Linear(cfg.hidden_size, D, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, H * D, bias=False)
+        self.kv_proj = Linear(cfg.hidden_size, D, bias=False)
         self.kv_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.o_a_proj = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.compressor = MainCompressor(cfg, self.layer_type) if self.layer_type != SLIDING else None
         self.register_buffer("cos", rope[0], persistent=False)
@@ -256,7 +257,7 @@ class Attention(nn.Module):
         g = self.o_groups
         o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True)
         w_a = self.o_a_proj.weight.view(g, self.cfg.o_lora_rank, -1)
-        z = torch.einsum("bsgi,gri->bsgr", o.reshape(B, S, g, -1), w_a)
+        z = grouped_linear(o.reshape(B, S, g, -1), w_a)  # [B, S, g, r]
         return self.o_b_proj(z.flatten(2))
 
     # ---------------------------------------------------------------- the step

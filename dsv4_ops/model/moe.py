@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..lowering.triton.moe_gemv import MAX_ASSIGNMENTS
 from ..ops._backend import use_triton
+from .linear import Linear
 
 __all__ = ["swiglu", "Router", "Experts", "MLP", "MoE", "SCORE_FUNCS", "route_layout", "grouped_mm_supported",
            "moe_gemv_supported"]
@@ -188,9 +189,9 @@ class MLP(nn.Module):
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float = 10.0):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.gate_proj = nn.Linear(dim, inter_dim, bias=False)
-        self.up_proj = nn.Linear(dim, inter_dim, bias=False)
-        self.down_proj = nn.Linear(inter_dim, dim, bias=False)
+        self.gate_proj = Linear(dim, inter_dim, bias=False)
+        self.up_proj = Linear(dim, inter_dim, bias=False)
+        self.down_proj = Linear(inter_dim, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))

@@ -27,6 +27,7 @@ from ..config import SLIDING, DSV4Config
 from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
 from .hyper_connection import HyperHead
+from .linear import Linear
 from .plan import StepMeta
 
 __all__ = ["MTPBlock", "mtp_config"]
@@ -45,8 +46,8 @@ class MTPBlock(DecoderLayer):
         dim, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(dim, eps)
         self.hnorm = RMSNorm(dim, eps)
-        self.e_proj = nn.Linear(dim, dim, bias=False)
-        self.h_proj = nn.Linear(dim, dim, bias=False)
+        self.e_proj = Linear(dim, dim, bias=False)
+        self.h_proj = Linear(dim, dim, bias=False)
         self.hc_head = HyperHead(dim, cfg.hc_mult, cfg.hc_eps, eps)
         self.norm = RMSNorm(dim, eps)
 

@@ -8,9 +8,10 @@ validated public wrapper.
 from .attention import sparse_attention
 from .cache_write import cache_write
 from .compressor import compress
+from .gemv import gemv
 from .indexer import indexer_topk
 from .moe_gemv import moe_gemv
 from .plan import Plan, plan
 from .sinkhorn import sinkhorn
 
-__all__ = ["Plan", "plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv"]
+__all__ = ["Plan", "plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv"]

@@ -41,6 +41,7 @@ __all__ = [
     "sparse_attention",
     "sinkhorn",
     "moe_gemv",
+    "gemv",
     "apply_rope",
     "rms_norm",
 ]
@@ -471,3 +472,13 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     y = torch.einsum("ni,ndi->nd", h, w2[e].float())  # [T*K, D]
     y = y * (weights.reshape(-1).float() * routed.float()).unsqueeze(-1)
     return y.view(T, K, x.shape[1]).sum(dim=1)
+
+
+# --------------------------------------------------------------------------------------
+# gemv: dense projections of a few tokens (decode)
+# --------------------------------------------------------------------------------------
+def gemv(x: Tensor, weight: Tensor) -> Tensor:
+    """``y[t, g] = weight[g] @ x[t, g]`` for ``x [T, G, K]``, ``weight [G, N, K]`` -> ``[T, G, N]``,
+    accumulated in fp32 and rounded once to ``x``'s dtype (what ``F.linear`` in that dtype returns)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return torch.einsum("tgk,gnk->tgn", x.to(acc), weight.to(acc)).to(x.dtype)
