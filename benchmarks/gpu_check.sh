@@ -24,6 +24,7 @@
 #   gpu-tests = the `gpu` tests only (the first half of `tests`)
 #   fp8-tests = the FP8-cache tests on the GPU: the model tests' cuda half and the FP8 kernels compiled (not
 #             interpreted) against the reference, bit for bit
+#   fp8-kernels = the FP8 kernels compiled (not interpreted) against the reference only (tests/test_triton_interp_fp8.py)
 #   flash-b1 = the Flash slice's decode step inside generate at batch 1 x 4K and 32K (bench_spec.py, plain only)
 #   flash-fp8 = the Flash slice's public decode with kv_cache_dtype bf16 vs fp8 at batch 1 x 4K and 32K
 #   kv-capacity = the longest context whose pool allocates and runs, bf16 vs fp8 (benchmarks/kv_capacity.py,
@@ -98,6 +99,8 @@ for what in "$@"; do
            --iters 30 --out "$OUT/bench_flash_32k.json" 2>&1 | quiet | tee "$OUT/bench_flash_32k.log" || rc=1 ;;
     fp8-tests) python3 -m pytest -q -m "gpu or not gpu" tests/test_fp8_cache_model.py tests/test_triton_interp_fp8.py \
            -k "cuda or not cpu" -p no:cacheprovider 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || rc=1 ;;
+    fp8-kernels) python3 -m pytest -q -m "gpu or not gpu" tests/test_triton_interp_fp8.py -p no:cacheprovider 2>&1 \
+           | tee "$OUT/fp8_kernels.log" | tail -3 || rc=1 ;;
     flash-b1) python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks --context 4096 32768 --samples 5 \
            --out "$OUT/bench_spec_flash_b1_ctx.json" 2>&1 | quiet | tee "$OUT/bench_spec_flash_b1_ctx.log" || rc=1 ;;
     flash-fp8) python3 benchmarks/bench_model.py --config flash-slice --batches 1 --contexts 4096 32768 --iters 30 \
@@ -145,7 +148,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

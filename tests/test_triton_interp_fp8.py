@@ -5,6 +5,7 @@ bit where they write bytes: the integer codec against torch's e4m3 / bf16 casts,
 FP8 keys), also on the per-kernel benchmark's FP8 inputs. Under ``TRITON_INTERPRET=1`` on CPU
 (tiny grids), compiled kernels on a GPU.
 Every destination starts poisoned."""
+import math
 import os
 
 import pytest
@@ -106,9 +107,12 @@ def _fp8_kv(values, rope, page):
 
 @pytest.mark.parametrize("window_fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits):
+@pytest.mark.parametrize("rope, words", [(16, 1), (80, 0)], ids=["word_reader", "byte_reader"])
+def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits, rope, words):
+    # rope within one 64-channel block: the word-wide reader (load_kv_entries); wider rope: the
+    # per-channel byte gathers
     torch.manual_seed(3)
-    B, S, H, D, rope = 2, 3, 4, 144, 16
+    B, S, H, D = 2, 3, 4, 144
     window = torch.randn(B, 10, D, device=DEVICE)
     kv = _fp8_kv(window, rope, 10) if window_fp8 else window  # concat mode keeps a float window source
     cmp = _fp8_kv(torch.randn(B, 13, D, device=DEVICE), rope, 8)
@@ -118,6 +122,7 @@ def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits):
     cmp_len = torch.randint(0, 14, (B, S), dtype=torch.int32, device=DEVICE)
     args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, D**-0.5)
     want = ref.sparse_attention(*args)
+    assert sa.attention_launches(*args, num_splits=splits).attention.meta["FP8_WORDS"] == words
     out = torch.full_like(want, float("nan"))
     got = sa.sparse_attention(*args, out=out, num_splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -140,16 +145,20 @@ def test_fp8_window_without_a_pool_matches_the_reference():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_indexer_topk_matches_the_reference():
+@pytest.mark.parametrize("offset, reader", [(0, 2), (1, 1)], ids=["word_reader", "byte_reader"])
+def test_fp8_indexer_topk_matches_the_reference(offset, reader):
+    # keys 4-byte aligned: codes read as words; a pool starting at an odd byte: a byte per lane
     torch.manual_seed(4)
     B, S, HI, DI, N = 2, 3, 4, 32, 11
-    keys = _poisoned(fp8.IndexerLayout(DI, 4).shape(B, N))
+    shape = fp8.IndexerLayout(DI, 4).shape(B, N)
+    keys = _poisoned((math.prod(shape) + offset,))[offset:].view(shape)
     ref._write_entries_fp8(keys, torch.randn(B, N, DI, device=DEVICE),
                            torch.arange(N, dtype=torch.int32, device=DEVICE).expand(B, N).contiguous())
     q = fp8.rotate(torch.randn(B, S, HI, DI, device=DEVICE))
     w = torch.randn(B, S, HI, device=DEVICE)
     vis = torch.tensor([[0, 5, 11], [12, 1, 7]], dtype=torch.int32, device=DEVICE)  # 12: clamped to the pool
     want = ref.indexer_topk(q, w, keys, vis, 5)
+    assert ix.scores_launch(q, w, keys, vis)[1].meta["KEYS_FP8"] == reader
     got = ix.indexer_topk(q, w, keys, vis, 5, out=torch.full_like(want, 77))
     assert torch.equal(got, want)
     scores = ix.indexer_scores(q, w, keys, vis)

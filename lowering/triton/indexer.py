@@ -33,7 +33,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import e4m3_decode
+from .fp8_codec import bytes_of_words, e4m3_decode
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
@@ -86,14 +86,21 @@ def indexer_scores_kernel(
                 n64 = offs_n.to(tl.int64)
                 pbase = key_row0 + (n64 // KEY_PAGE) * sk_n
                 t = n64 % KEY_PAGE
-                code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
-                               mask=live[:, None] & d_mask[None, :], other=0)
                 sp = pbase + KEY_PAGE * DI + t * 4
-                sbits = (tl.load(sp, mask=live, other=0).to(tl.int32)
-                         | (tl.load(sp + 1, mask=live, other=0).to(tl.int32) << 8)
-                         | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
-                         | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
-                kscale = sbits.to(tl.float32, bitcast=True)
+                if KEYS_FP8 == 2:  # 4-byte aligned: codes as words, the scale as one fp32
+                    wd = tl.arange(0, BLOCK_DI // 4)
+                    words = tl.load((pbase + t * DI).to(tl.pointer_type(tl.int32))[:, None] + wd[None, :],
+                                    mask=live[:, None] & (wd < DI // 4)[None, :], other=0)
+                    code = tl.reshape(bytes_of_words(words), (BLOCK_N, BLOCK_DI))
+                    kscale = tl.load(sp.to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
+                else:  # any layout: a byte per lane
+                    code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
+                                   mask=live[:, None] & d_mask[None, :], other=0)
+                    sbits = (tl.load(sp, mask=live, other=0).to(tl.int32)
+                             | (tl.load(sp + 1, mask=live, other=0).to(tl.int32) << 8)
+                             | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
+                             | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
+                    kscale = sbits.to(tl.float32, bitcast=True)
                 keys = (e4m3_decode(code) * kscale[:, None]).to(q_t.dtype)
             else:
                 keys = tl.load(
@@ -318,8 +325,11 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     if B * S * N == 0:
         return out, None
     cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend()), **(config or {})}
+    keys_fp8 = 0  # 1: FP8 keys read a byte per lane; 2: as 32-bit words (every key 4-byte aligned)
     if fp8:
         key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
+        aligned = DI % 4 == 0 and all(v % 4 == 0 for v in (keys.storage_offset(), keys.stride(0), keys.stride(1)))
+        keys_fp8 = 2 if aligned else 1
     else:
         keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
         key_args, page = (keys, *keys.stride()), 1
@@ -328,7 +338,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
             *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), page)
     return out, Launch((B * S, -(-N // cfg["CHUNK"])), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
-                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET, KEYS_FP8=fp8,
+                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bf16_from_bytes, e4m3_decode, pow2
+from .fp8_codec import bf16_from_bytes, e4m3_decode, load_kv_entries, pow2
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
@@ -114,7 +114,7 @@ def sparse_attention_kernel(
     so_b, so_s, so_h, so_d,
     KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, FP8_WORDS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query token b * S + s
     pid_h = tl.program_id(1)  # head block
@@ -185,16 +185,19 @@ def sparse_attention_kernel(
             t = idx64 % page
             data = pbase + t * DATA_BYTES
             scl = pbase + page * DATA_BYTES + t * SCALE_BYTES
-            is_nope = offs_d < NOPE
-            is_rope = (offs_d >= NOPE) & d_mask
-            m_nope = lane8[:, None] & is_nope[None, :]
-            m_rope = lane8[:, None] & is_rope[None, :]
-            code = tl.load(data[:, None] + offs_d[None, :], mask=m_nope, other=0)
-            sc = tl.load(scl[:, None] + (offs_d // 64)[None, :], mask=m_nope, other=127)
-            rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
-            rope_lo = tl.load(rb, mask=m_rope, other=0)
-            rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
-            e = tl.where(is_nope[None, :], e4m3_decode(code) * pow2(sc), bf16_from_bytes(rope_lo, rope_hi))
+            if FP8_WORDS:  # word-wide codes, one scale per block, whole rope values
+                e = load_kv_entries(data, scl, lane8, NOPE, D, BLOCK_N, BLOCK_D)
+            else:  # any layout: four byte gathers per channel
+                is_nope = offs_d < NOPE
+                is_rope = (offs_d >= NOPE) & d_mask
+                m_nope = lane8[:, None] & is_nope[None, :]
+                m_rope = lane8[:, None] & is_rope[None, :]
+                code = tl.load(data[:, None] + offs_d[None, :], mask=m_nope, other=0)
+                sc = tl.load(scl[:, None] + (offs_d // 64)[None, :], mask=m_nope, other=127)
+                rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
+                rope_lo = tl.load(rb, mask=m_rope, other=0)
+                rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
+                e = tl.where(is_nope[None, :], e4m3_decode(code) * pow2(sc), bf16_from_bytes(rope_lo, rope_hi))
             if FP8 == 1:  # window lanes from the float source (concat mode)
                 ew = tl.load(kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
                              mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
@@ -366,11 +369,16 @@ def attention_launches(
     fp8 = 2 if kv8 else (1 if cmp8 else 0)
     page_kv = kv.shape[2] if kv8 else 1
     page_cmp = cmp.shape[2] if cmp8 else 1
-    nope = data_bytes = scale_bytes = 0
+    nope = data_bytes = scale_bytes = fp8_words = 0
     if cmp8:
         rope = _rope_of(cmp, D)
         nope, data_bytes = D - rope, D + rope
         scale_bytes = cmp.shape[3] - data_bytes
+    # the word-wide FP8 reader (fp8_codec.load_kv_entries): rope within one 64-channel block,
+    # every entry 4-byte aligned (storage offsets, page / batch strides and the data width)
+    fp8_words = int(cmp8 and D - nope <= 64 and data_bytes % 4 == 0
+                    and all(t.storage_offset() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
+                            for t in ((kv, cmp) if kv8 else (cmp,))))
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     if B * S * H * D == 0:
@@ -407,7 +415,8 @@ def attention_launches(
          *cmp_len.stride(), *out.stride(),
          page_kv, page_cmp, nope, data_bytes, scale_bytes),
         dict(D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-             NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, FP8=fp8, num_warps=cfg["num_warps"],
+             NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, FP8=fp8, FP8_WORDS=fp8_words if fp8 else 0,
+             num_warps=cfg["num_warps"],
              num_stages=cfg["num_stages"]),
     )
     combine = None

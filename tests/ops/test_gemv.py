@@ -94,6 +94,15 @@ def test_gemv_kernel_matches_reference(T, G, N, K, poison):
     torch.testing.assert_close(got.double().cpu(), oracle(x, w), atol=1e-5, rtol=1e-5)
 
 
+def test_gemv_kernel_at_the_default_tile():
+    # enough rows that the launch keeps DEFAULT_CONFIG's 8-row tile (small tests shrink it)
+    dev = torch.device("cuda" if CUDA else "cpu")
+    x, w = make_case(1, 1, 8 * 264, 96, device=dev)
+    y, spec = tgemv.gemv_launch(x, w)
+    assert spec.meta["BLOCK_N"] == tgemv.DEFAULT_CONFIG["rows"] == 8
+    torch.testing.assert_close(tgemv.gemv(x, w).double().cpu(), oracle(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_gemv_kernel_in_bf16_rounds_once():
     dev = torch.device("cuda" if CUDA else "cpu")
     x, w = make_case(2, 1, 48, 200, device=dev, dtype=torch.bfloat16)
