@@ -29,6 +29,7 @@
 #   flash-fp8 = the Flash slice's public decode with kv_cache_dtype bf16 vs fp8 at batch 1 x 4K and 32K
 #   kv-capacity = the longest context whose pool allocates and runs, bf16 vs fp8 (benchmarks/kv_capacity.py,
 #             Flash slice, batch 64, 8-token prefill chunks so the indexer's scores [B, chunk, ctx/4] stay small)
+#   kv-capacity-64 = the same with 64-token prefill chunks (the indexer's token groups; session 8 without them: 1.57x)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   gemv    = dense decode projections at Flash widths, 1-8 tokens: dsv4::gemv vs cuBLAS vs the bytes floor, after a
@@ -110,6 +111,10 @@ for what in "$@"; do
     flash-fp8) python3 benchmarks/bench_model.py --config flash-slice --batches 1 --contexts 4096 32768 --iters 30 \
                  --prefill-samples 2 --kv-cache-dtype bf16 fp8 --out "$OUT/bench_flash_fp8_b1.json" 2>&1 | quiet \
                  | tee "$OUT/bench_flash_fp8.log" || rc=1 ;;
+    kv-capacity-64) # the same with 64-token prefill chunks: the indexer scores them in token groups once
+           # [B, 64, ctx/4] fp32 passes 4 GiB (lowering/triton/indexer.py SCORES_BUDGET_BYTES)
+           python3 benchmarks/kv_capacity.py --config flash-slice --batches 64 --fill 64 --prefill-chunk 64 --step 131072 \
+           --out "$OUT/kv_capacity_chunk64.json" 2>&1 | quiet | tee "$OUT/kv_capacity_chunk64.log" || rc=1 ;;
     kv-capacity) python3 benchmarks/kv_capacity.py --config flash-slice --batches 64 --fill 64 --prefill-chunk 8 --step 131072 \
            --out "$OUT/kv_capacity.json" 2>&1 | quiet | tee "$OUT/kv_capacity.log" || rc=1 ;;
     gpu-tests) OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} -m gpu tests \
@@ -152,7 +157,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

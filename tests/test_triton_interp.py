@@ -303,6 +303,26 @@ def test_indexer_topk_matches_reference_exactly(case, dtype, poison, topk_path):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("tokens_per_group", [1, 2])
+def test_indexer_topk_scores_a_long_chunk_in_token_groups(tokens_per_group, poison):
+    """When ``[B, S, N]`` fp32 scores exceed the scratch budget (a long prefill chunk at large
+    batch and context), the query tokens go in groups reusing one ``[B, G, N]`` scratch; the
+    picks are exactly those of one group."""
+    B, S, HI, DI, N, topk = 2, 5, 4, 16, 40, 6
+    q, w, keys, visible = _indexer_inputs(B, S, HI, DI, N, torch.float32, integer=True)
+    budget = tokens_per_group * 4 * B * N
+    assert indexer.token_group(B, S, N, budget) == tokens_per_group
+    assert indexer.token_group(B, S, N) == S  # the default budget: one group (every step so far)
+    launches = indexer.indexer_launches(q, w, keys, visible, topk, budget=budget)
+    assert len(launches.groups) == -(-S // tokens_per_group)
+    scratch = {l[0].args[4].data_ptr() for l in launches.groups}  # the scores kernel's output
+    assert len(scratch) == 1 and launches.groups[0][0].args[4].shape == (B, tokens_per_group, N)
+    out = poison(torch.empty(B, S, topk, dtype=torch.int32, device=DEVICE))
+    got = indexer.indexer_topk(q, w, keys, visible, topk, out=out, budget=budget)
+    assert got is out
+    assert torch.equal(got, ref.indexer_topk(q, w, keys, visible, topk))
+
+
 def test_indexer_topk_ties_at_negative_zero(poison, topk_path):
     """All-negative weights make every all-ReLU-zero entry score -0.0: one big tie group that
     must be broken by index exactly like the stable sort (which treats -0.0 == +0.0)."""

@@ -108,6 +108,17 @@ def _worker():
             launches.append((kernel.fn.__name__, sorted(node.kwargs["tensors_to_clone"])))
         elif "dsv4" in str(node.target):
             leftover.append(str(node.target))
+    # a prefill chunk whose [B, S, N] scores exceed the scratch budget: two groups of 2 query
+    # tokens, each a scores launch into one [B, 2, N] scratch, then the group's top-k
+    from dsv4_ops.lowering.triton import indexer as ix
+
+    ix.SCORES_BUDGET_BYTES = 4 * B * 16 * 2
+    with FakeTensorMode():
+        gi = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 3)), tracing_mode="real")(
+            t(B, S, HI, DI), t(B, S, HI), t(B, 16, DI), t(B, S, dtype=torch.int32))
+    grouped = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gi.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    leftover += [str(n.target) for n in gi.graph.nodes if n.op == "call_function" and "dsv4" in str(n.target)]
     import torch._library.triton as library_triton
     from torch._library.custom_ops import OPDEFS
 
@@ -129,7 +140,8 @@ def _worker():
                        "literal": literal(OPDEFS[op]._abstract_fn),
                        "registered": None if registered is None else names(registered(op))}
                   for op in sorted(OPDEFS) if op.startswith("dsv4::")}
-    print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings, "discovered": discovered}))
+    print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings, "discovered": discovered,
+                      "grouped": grouped}))
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +152,11 @@ def traced():
 def test_every_op_traces_to_its_triton_kernels(traced):
     assert traced["leftover"] == [], "an op stayed opaque instead of decomposing into its kernels"
     assert [tuple(x) for x in traced["launches"]] == EXPECTED
+
+
+def test_indexer_scores_a_long_chunk_in_token_groups_when_traced(traced):
+    # the op body's grouped path (views of q, weights, visible and out) traces to plain launches
+    assert traced["grouped"] == ["indexer_scores_kernel", "topk_row_kernel"] * 2
 
 
 # every kernel each op body may launch (which ones run depends on static sizes)

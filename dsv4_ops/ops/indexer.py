@@ -25,13 +25,12 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     torch._check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")
     if use_triton(q):
         launches = ix.indexer_launches(q, weights, keys, visible, topk)
-        scores, row, loop = launches.scores, launches.topk_row, launches.topk_loop
-        if scores is not None:
+        for scores, row, loop in launches.groups:  # one group per step, unless the scores would not fit
             wrap_triton(indexer_scores_kernel)[scores.grid](*scores.args, **scores.meta)
-        if row is not None:
-            wrap_triton(topk_row_kernel)[row.grid](*row.args, **row.meta)
-        if loop is not None:
-            wrap_triton(topk_kernel)[loop.grid](*loop.args, **loop.meta)
+            if row is not None:
+                wrap_triton(topk_row_kernel)[row.grid](*row.args, **row.meta)
+            if loop is not None:
+                wrap_triton(topk_kernel)[loop.grid](*loop.args, **loop.meta)
         return launches.out
     return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
 

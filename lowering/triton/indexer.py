@@ -360,31 +360,64 @@ def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: t
                                              num_warps=cfg["loop_warps"]))
 
 
+# The fp32 scores scratch of one launch group, at most. A prefill chunk at large batch and long
+# context scores its query tokens in groups of ``token_group`` so that the scratch stays this
+# size: a pool-sized ``[B, S, N]`` buffer reached 19 GB on the H200 (batch 64, 4.7 M tokens of
+# context, 64-token chunks; BENCHMARKS.md session 8) and cost 10% of the context that fits.
+# 4 GiB keeps every configuration measured so far (decode; 8-token chunks at batch 64 x 6.2 M
+# tokens: 3.2 GB) in one group.
+SCORES_BUDGET_BYTES = 4 << 30
+
+
+def token_group(B: int, S: int, N: int, budget: int | None = None) -> int:
+    """Query tokens per launch group: all ``S`` while their ``[B, S, N]`` fp32 scores fit
+    ``budget`` bytes (None: ``SCORES_BUDGET_BYTES``; every decode step), else as many as fit,
+    at least one."""
+    budget = SCORES_BUDGET_BYTES if budget is None else budget
+    return max(1, min(S, budget // max(1, 4 * B * N)))
+
+
 class IndexerLaunches(NamedTuple):
     out: torch.Tensor  # [B, S, topk] int32
-    scores: Launch | None  # indexer_scores_kernel (None: no entries)
-    topk_row: Launch | None  # topk_row_kernel (rows of up to TOPK_ROW scores)
-    topk_loop: Launch | None  # topk_kernel (longer rows)
+    # per group of query tokens (token_group), in order: (indexer_scores_kernel, topk_row_kernel,
+    # topk_kernel) launches; the scores launch is never None, exactly one of the top-k launches is.
+    # Empty when there is nothing to launch (no tokens, or an empty pool: out is then all -1).
+    groups: tuple
 
 
 def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                      topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
-                     config: dict | None = None) -> IndexerLaunches:
+                     config: dict | None = None, budget: int | None = None) -> IndexerLaunches:
     """The output and the launches that fill it, for the arguments of :func:`indexer_topk`
-    (an empty pool fills ``out`` with -1 here, and launches nothing)."""
+    (an empty pool fills ``out`` with -1 here, and launches nothing). The query tokens go in
+    groups whose scores fit ``budget`` bytes (``token_group``; None: ``SCORES_BUDGET_BYTES``,
+    read at call time); a given ``scores`` scratch ``[B, S, N]`` means one group."""
     B, S = visible.shape
     N = _entries(keys)
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     if B * S * topk == 0:
-        return IndexerLaunches(out, None, None, None)
+        return IndexerLaunches(out, ())
     if N == 0:
         out.fill_(-1)
-        return IndexerLaunches(out, None, None, None)
-    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
-           **(config or {})}
-    scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
-    return IndexerLaunches(out, scoring, *topk_launches(scores, visible, topk, out, cfg))
+        return IndexerLaunches(out, ())
+    G = S if scores is not None else token_group(B, S, N, SCORES_BUDGET_BYTES if budget is None else budget)
+    if G == S:  # every decode step: one [B, S, N] scratch, no views
+        cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
+               **(config or {})}
+        scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
+        return IndexerLaunches(out, ((scoring, *topk_launches(scores, visible, topk, out, cfg)),))
+    scratch = torch.empty((B, G, N), dtype=torch.float32, device=q.device)
+    groups = []
+    for s0 in range(0, S, G):
+        s1 = min(S, s0 + G)
+        cfg = {**indexer_config(B, s1 - s0, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
+               **(config or {})}
+        # the scores kernel writes rows [0, s1 - s0) of the scratch; the top-k reads those rows and
+        # writes the group's rows of out
+        _, scoring = scores_launch(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], out=scratch, config=cfg)
+        groups.append((scoring, *topk_launches(scratch[:, : s1 - s0], visible[:, s0:s1], topk, out[:, s0:s1], cfg)))
+    return IndexerLaunches(out, tuple(groups))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
@@ -408,11 +441,13 @@ def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out
 
 def indexer_topk(*args, **kwargs) -> torch.Tensor:
     """Raw launcher with the reference signature plus ``out=``, ``scores=`` (the ``[B, S, N]
-    fp32`` scratch row buffer) and ``config=`` (overrides of ``indexer_config``): those of
-    :func:`indexer_launches`. Returns ``[B, S, topk] int32``, -1 sentinels; ``visible`` is
-    clamped to ``[0, N]`` (the raw-op contract, shared with the reference)."""
+    fp32`` scratch row buffer), ``config=`` (overrides of ``indexer_config``) and ``budget=``
+    (the scratch's bytes): those of :func:`indexer_launches`. Returns ``[B, S, topk] int32``,
+    -1 sentinels; ``visible`` is clamped to ``[0, N]`` (the raw-op contract, shared with the
+    reference)."""
     launches = indexer_launches(*args, **kwargs)
-    launch(indexer_scores_kernel, launches.scores)
-    launch(topk_row_kernel, launches.topk_row)
-    launch(topk_kernel, launches.topk_loop)
+    for scoring, row, loop in launches.groups:
+        launch(indexer_scores_kernel, scoring)
+        launch(topk_row_kernel, row)
+        launch(topk_kernel, loop)
     return launches.out
