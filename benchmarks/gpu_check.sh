@@ -31,6 +31,7 @@
 #             Flash slice, batch 64, 8-token prefill chunks so the indexer's scores [B, chunk, ctx/4] stay small)
 #   kv-capacity-64 = the same with 64-token prefill chunks (the indexer's token groups; session 8 without them: 1.57x)
 #   profile = kernels of the public decode call and of one k=3 speculative step (benchmarks/profile_step.py)
+#   profile-flash = the same for the Flash slice's batch-1 public decode at 4K and at 32K (kernels by name)
 #   ops     = per-kernel benchmark, quick grid (benchmarks/bench_ops.py --quick); ops-full = whole grid
 #   gemv    = dense decode projections at Flash widths, 1-8 tokens: dsv4::gemv vs cuBLAS vs the bytes floor, after a
 #             launch-config sweep at one token (benchmarks/bench_gemv.py --sweep), + the gemv tests on the GPU
@@ -124,6 +125,10 @@ for what in "$@"; do
     load) python3 benchmarks/bench_load.py --dir /tmp/dsv4_flash_ckpt --out "$OUT/bench_load.json" 2>&1 | quiet \
            | tee "$OUT/bench_load.log" || rc=1; rm -rf /tmp/dsv4_flash_ckpt ;;
     spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
+    profile-flash) # where the Flash slice's batch-1 step goes at 4K and at 32K (what grows with the context)
+           { python3 benchmarks/profile_step.py --config flash-slice --batch 1 --context 4096 --out "$OUT/profile_flash_4k.json" &&
+             python3 benchmarks/profile_step.py --config flash-slice --batch 1 --context 32768 --out "$OUT/profile_flash_32k.json"; } \
+           2>&1 | quiet | tee "$OUT/profile_flash.log" | grep -v "^ " || rc=1 ;;
     profile) python3 benchmarks/profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json" 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
     sweep-indexer) { python3 benchmarks/sweep_kernels.py --batches 64 --only scores topk --out "$OUT/sweep_ix_b64.json" &&
@@ -157,7 +162,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc
