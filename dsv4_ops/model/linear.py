@@ -31,8 +31,10 @@ GEMV_MIN_ROWS = 512
 def gemv_supported(x: Tensor, weight: Tensor, tokens: int, rows: int) -> bool:
     """Whether a projection of ``tokens`` tokens onto ``rows`` outputs takes ``dsv4::gemv``."""
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    # a non-contiguous weight (a view someone sliced) would be copied on every call: cuBLAS reads it in place
     return (use_triton(x) and x.dtype == weight.dtype and 0 < tokens <= GEMV_MAX_TOKENS
-            and rows >= GEMV_MIN_ROWS and weight.shape[-1] >= GEMV_MIN_K and not needs_grad)
+            and rows >= GEMV_MIN_ROWS and weight.shape[-1] >= GEMV_MIN_K and weight.is_contiguous()
+            and not needs_grad)
 
 
 class Linear(nn.Linear):

@@ -169,6 +169,9 @@ def test_which_v4_flash_projections_take_gemv(monkeypatch, name, rows, k, takes_
     with torch.no_grad():
         assert linear.gemv_supported(x, w, 1, rows) == takes_gemv
         assert not linear.gemv_supported(x.expand(2, k), w, 2, rows)  # two tokens: cuBLAS
+        # a sliced, non-contiguous weight would be copied every call: cuBLAS reads it in place
+        wide = torch.empty(rows, 2 * k, dtype=torch.bfloat16, device="meta")
+        assert not linear.gemv_supported(x, wide[:, :k], 1, rows)
 
 
 @pytest.mark.gpu
