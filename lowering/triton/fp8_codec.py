@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "bf16_bits", "bf16_from_bytes", "store_kv_entry",
-           "bytes_of_words", "load_kv_entries"]
+           "bytes_of_words", "load_kv_entries", "word_aligned"]
 
 
 @triton.jit
@@ -99,6 +99,12 @@ def store_kv_entry(y, data, scales, d, NOPE, SCALE_BYTES, BLOCK_D: tl.constexpr,
     bits = bf16_bits(y)
     tl.store(data + NOPE + 2 * (ch - NOPE), (bits & 0xFF).to(tl.uint8), mask=rm)
     tl.store(data + NOPE + 2 * (ch - NOPE) + 1, (bits >> 8).to(tl.uint8), mask=rm)
+
+
+def word_aligned(*caches) -> bool:
+    """Whether every entry of these FP8 page caches ``[B, pages, page, entry_bytes]`` starts on a
+    4-byte boundary (storage offset, batch and page strides), so the readers may load words."""
+    return all(t.storage_offset() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 for t in caches)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bytes_of_words, e4m3_decode
+from .fp8_codec import bytes_of_words, e4m3_decode, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
@@ -328,8 +328,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     keys_fp8 = 0  # 1: FP8 keys read a byte per lane; 2: as 32-bit words (every key 4-byte aligned)
     if fp8:
         key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
-        aligned = DI % 4 == 0 and all(v % 4 == 0 for v in (keys.storage_offset(), keys.stride(0), keys.stride(1)))
-        keys_fp8 = 2 if aligned else 1
+        keys_fp8 = 2 if DI % 4 == 0 and word_aligned(keys) else 1
     else:
         keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
         key_args, page = (keys, *keys.stride()), 1
@@ -401,7 +400,7 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if N == 0:
         out.fill_(-1)
         return IndexerLaunches(out, ())
-    G = S if scores is not None else token_group(B, S, N, SCORES_BUDGET_BYTES if budget is None else budget)
+    G = S if scores is not None else token_group(B, S, N, budget)
     if G == S:  # every decode step: one [B, S, N] scratch, no views
         cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
                **(config or {})}

@@ -42,7 +42,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bf16_from_bytes, e4m3_decode, load_kv_entries, pow2
+from .fp8_codec import bf16_from_bytes, e4m3_decode, load_kv_entries, pow2, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
@@ -377,8 +377,7 @@ def attention_launches(
     # the word-wide FP8 reader (fp8_codec.load_kv_entries): rope within one 64-channel block,
     # every entry 4-byte aligned (storage offsets, page / batch strides and the data width)
     fp8_words = int(cmp8 and D - nope <= 64 and data_bytes % 4 == 0
-                    and all(t.storage_offset() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0
-                            for t in ((kv, cmp) if kv8 else (cmp,))))
+                    and word_aligned(*((kv, cmp) if kv8 else (cmp,))))
     if out is None:
         out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     if B * S * H * D == 0:
