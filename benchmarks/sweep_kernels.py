@@ -67,12 +67,23 @@ def _scores_configs(base: dict) -> list[dict]:
 
 def _topk_configs(base: dict, n: int) -> list[dict]:
     """The row-in-registers kernel's digit width and warps, and the looped kernel (rows of
-    ``n`` scores; past the default TOPK_ROW, the row kernel is tried with a wider row)."""
+    ``n`` scores; past the default TOPK_ROW, the row kernel is tried with a wider row); the
+    split top-k off and on with segments of 2048, 4096 and 8192 entries (those shorter than
+    the row), at 8 and 16 warps, whatever the default chose."""
+    split = [dict(base, TOPK_SPLIT=0)]
+    split += [dict(base, TOPK_SPLIT=seg, row_warps=w) for seg in (2048, 4096, 8192) if seg < n for w in (8, 16)]
     if n > base["TOPK_ROW"]:
-        return [base] + [dict(base, TOPK_ROW=n, TOPK_BITS=bits, row_warps=16) for bits in (4, 5)]
-    row = [dict(base, TOPK_BITS=bits, row_warps=w) for bits in (3, 4, 5, 6, 8) for w in (8, 16)]
-    looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, loop_warps=8)]
-    return [base] + [c for c in row + looped if c != base]
+        wide = [dict(base, TOPK_ROW=n, TOPK_BITS=bits, row_warps=16, TOPK_SPLIT=0) for bits in (4, 5)]
+        configs = [base] + wide + split
+    else:
+        row = [dict(base, TOPK_BITS=bits, row_warps=w) for bits in (3, 4, 5, 6, 8) for w in (8, 16)]
+        looped = [dict(base, TOPK_ROW=0, TOPK_BLOCK=4096, loop_warps=8, TOPK_SPLIT=0)]
+        configs = [base] + row + split + looped
+    out = []
+    for c in configs:  # the default first, no config twice
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -177,7 +188,8 @@ def main(argv=None) -> int:
                 # the whole op at the best scores + top-k configs, against the whole op's floor
                 best = {}
                 for kind, keys_of in (("indexer_scores", ("BLOCK_N", "CHUNK", "num_warps", "num_stages")),
-                                      ("topk", ("TOPK_ROW", "TOPK_BITS", "row_warps", "TOPK_BLOCK", "loop_warps"))):
+                                      ("topk", ("TOPK_ROW", "TOPK_BITS", "TOPK_SPLIT", "row_warps", "TOPK_BLOCK",
+                                               "loop_warps"))):
                     cand = sorted((r for r in rows if r["sweep"] == f"{kind} B={B}" and "time_us" in r),
                                   key=lambda r: r["time_us"])
                     if cand:

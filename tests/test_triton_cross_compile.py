@@ -73,6 +73,8 @@ def _launches(backend: str):
     out += attention("attention_fp32_decode", B_DECODE, H, D, torch.float32, num_splits=1)
     out += attention("attention_fp32_decode", 1, H, D, torch.float32)
     out += attention("attention_fp32_prefill", 1, 2 * H, D, torch.float32, S=64)
+    # the one-program-per-row top-k kernels (TOPK_SPLIT=0: batch-64 decode rows leave SMs idle,
+    # so the default config splits them; these kernels serve batches of at least sms rows)
     for topk in (512, 1024):  # Flash, Pro
         q = torch.empty(B_DECODE, 1, HI, DI, dtype=torch.bfloat16, device=meta_dev)
         w = torch.empty(B_DECODE, 1, HI, dtype=torch.float32, device=meta_dev)
@@ -80,7 +82,8 @@ def _launches(backend: str):
         vis = torch.empty(B_DECODE, 1, dtype=torch.int32, device=meta_dev)
         start = len(recorded)
         ix.indexer_topk(q, w, keys, vis, topk,
-                        config=ix.indexer_config(B_DECODE, 1, HI, DI, N_POOL, topk, backend=backend))
+                        config=dict(ix.indexer_config(B_DECODE, 1, HI, DI, N_POOL, topk, backend=backend),
+                                    TOPK_SPLIT=0))
         names = ["indexer_scores", f"topk_{topk}"]
         out += [(n,) + r for n, r in zip(names, recorded[start:]) if not (topk == 1024 and n == "indexer_scores")]
     # the other top-k kernel of each backend: CUDA's looped one for rows past TOPK_ROW (past
@@ -88,20 +91,33 @@ def _launches(backend: str):
     # row kernel at its widest CUDA row (32K scores = 128K context)
     vis = torch.empty(B_DECODE, 1, dtype=torch.int32, device=meta_dev)
     picks = vis.new_empty(B_DECODE, 1, 512)
-    row_cfg = ix.indexer_config(B_DECODE, 1, HI, DI, N_POOL, 512)
+    row_cfg = dict(ix.indexer_config(B_DECODE, 1, HI, DI, N_POOL, 512), TOPK_SPLIT=0)
     start = len(recorded)
     if backend == "hip":
         scores = torch.empty(B_DECODE, 1, N_POOL, dtype=torch.float32, device=meta_dev)
         ix.topk_from_scores(scores, vis, 512, picks, row_cfg)
     else:
         scores = torch.empty(B_DECODE, 1, 8 * N_POOL, dtype=torch.float32, device=meta_dev)
-        ix.topk_from_scores(scores, vis, 512, picks, ix.indexer_config(B_DECODE, 1, HI, DI, 8 * N_POOL, 512))
+        ix.topk_from_scores(scores, vis, 512, picks,
+                            dict(ix.indexer_config(B_DECODE, 1, HI, DI, 8 * N_POOL, 512), TOPK_SPLIT=0))
     out.append(("topk_other_512",) + recorded[start])
     scores = torch.empty(B_DECODE, 1, 4 * N_POOL, dtype=torch.float32, device=meta_dev)
     start = len(recorded)
     ix.topk_from_scores(scores, vis, 512, picks, dict(ix.indexer_config(B_DECODE, 1, HI, DI, 4 * N_POOL, 512),
-                                                      TOPK_ROW=4 * N_POOL))
+                                                      TOPK_ROW=4 * N_POOL, TOPK_SPLIT=0))
     out.append(("topk_row_32k_512",) + recorded[start])
+    # the split top-k of a batch-1 decode step at 32K context (8258 pool entries): stage 1 over
+    # 4096-entry segments, stage 2 over the 3 segments' candidates (Flash and Pro widths). CUDA's
+    # config picks it there; ROCm's never does, forced here so that a sweep forcing it builds
+    for topk in (512, 1024):
+        scores = torch.empty(1, 1, 8258, dtype=torch.float32, device=meta_dev)
+        cfg = ix.indexer_config(1, 1, HI, DI, 8258, topk, backend=backend)
+        assert cfg["TOPK_SPLIT"] == (0 if backend == "hip" else 4096), cfg
+        cfg["TOPK_SPLIT"] = 4096
+        start = len(recorded)
+        ix.topk_from_scores(scores, vis[:1], topk, picks.new_empty(1, 1, topk), cfg)
+        assert len(recorded) == start + 2, "split top-k: two stages"
+        out += [(f"topk_split1_{topk}",) + recorded[-2], (f"topk_split2_{topk}",) + recorded[-1]]
 
     def one(name, launcher, *args, **kw):
         start = len(recorded)
@@ -243,6 +259,7 @@ ATTENTION = ["attention_decode", "attention_decode_split", "attention_tiny_fp32"
 KERNELS = ["attention_decode", "attention_decode_split", "attention_decode_combine",
            "attention_tiny_fp32", "attention_fp32_decode", "attention_fp32_decode_split",
            "attention_fp32_decode_combine", "attention_fp32_prefill", "indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
+           "topk_split1_512", "topk_split2_512", "topk_split1_1024", "topk_split2_1024",
            "plan_decode", "plan_prefill", "cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring",
            "compress_csa", "compress_hca", "compress_indexer", "sinkhorn", "moe_gate_up", "moe_down",
            "gemv_decode", "gemv_8_tokens"]

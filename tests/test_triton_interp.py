@@ -223,9 +223,10 @@ def _indexer_inputs(B, S, HI, DI, N, dtype, integer=False, visible=None, weights
 
 
 # the top-k paths: row in registers (default 5-bit digits, whose last pass re-reads known
-# bits; 8-bit; 3-bit) and the looped kernel for rows past TOPK_ROW (several blocks)
+# bits; 8-bit; 3-bit), the looped kernel for rows past TOPK_ROW (several blocks) and the split
+# top-k forced on with 16-entry segments (rows of more than 16 scores; test_triton_interp_topk_split.py)
 TOPK_PATHS = {"row": {}, "row_bits8": dict(TOPK_BITS=8), "row_bits3": dict(TOPK_BITS=3),
-              "looped": dict(TOPK_ROW=0, TOPK_BLOCK=16)}
+              "looped": dict(TOPK_ROW=0, TOPK_BLOCK=16), "split": dict(TOPK_SPLIT=16)}
 
 
 @pytest.fixture(params=list(TOPK_PATHS))

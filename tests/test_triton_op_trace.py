@@ -119,6 +119,13 @@ def _worker():
     grouped = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gi.graph.nodes
                if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     leftover += [str(n.target) for n in gi.graph.nodes if n.op == "call_function" and "dsv4" in str(n.target)]
+    # batch-1 decode at 32K context (8258 pool entries, top-512): the split top-k's two stages
+    with FakeTensorMode():
+        gs = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 512)), tracing_mode="real")(
+            t(1, 1, HI, DI), t(1, 1, HI), t(1, 8258, DI), t(1, 1, dtype=torch.int32))
+    split = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
+             for n in gs.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     import torch._library.triton as library_triton
     from torch._library.custom_ops import OPDEFS
 
@@ -141,7 +148,7 @@ def _worker():
                        "registered": None if registered is None else names(registered(op))}
                   for op in sorted(OPDEFS) if op.startswith("dsv4::")}
     print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings, "discovered": discovered,
-                      "grouped": grouped}))
+                      "grouped": grouped, "split": split}))
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +164,14 @@ def test_every_op_traces_to_its_triton_kernels(traced):
 def test_indexer_scores_a_long_chunk_in_token_groups_when_traced(traced):
     # the op body's grouped path (views of q, weights, visible and out) traces to plain launches
     assert traced["grouped"] == ["indexer_scores_kernel", "topk_row_kernel"] * 2
+
+
+def test_split_topk_traces_to_its_two_stages(traced):
+    # stage 1 writes the candidate buffers (indices through out_ptr, scores through cand_ptr),
+    # stage 2 only reads them (cand_ptr: the indices) and writes the picks
+    assert [tuple(x) for x in traced["split"]] == [("indexer_scores_kernel", ["out_ptr"]),
+                                                   ("topk_row_kernel", ["cand_ptr", "out_ptr"]),
+                                                   ("topk_row_kernel", ["out_ptr"])]
 
 
 # every kernel each op body may launch (which ones run depends on static sizes)

@@ -25,9 +25,9 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     torch._check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")
     if use_triton(q):
         launches = ix.indexer_launches(q, weights, keys, visible, topk)
-        for scores, row, loop in launches.groups:  # one group per step, unless the scores would not fit
+        for scores, rows, loop in launches.groups:  # one group per step, unless the scores would not fit
             wrap_triton(indexer_scores_kernel)[scores.grid](*scores.args, **scores.meta)
-            if row is not None:
+            for row in rows:  # one launch, or the split top-k's two stages
                 wrap_triton(topk_row_kernel)[row.grid](*row.args, **row.meta)
             if loop is not None:
                 wrap_triton(topk_kernel)[loop.grid](*loop.args, **loop.meta)

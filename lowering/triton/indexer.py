@@ -1,7 +1,7 @@
 """Triton lightning indexer: scores + top-k with -1 sentinels.
 Contract: ``dsv4_ops.reference.indexer_scores`` / ``indexer_topk``.
 
-Three kernels:
+Three kernels (the row one in three modes):
 - ``indexer_scores_kernel``: one program per query token ``(b, s)`` and chunk of ``CHUNK``
   entries, all heads at once, looping over blocks of ``BLOCK_N`` entries with pipelined key
   loads: ``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate),
@@ -22,6 +22,14 @@ Three kernels:
   3. those ``k_eff = min(topk, visible)`` indices are packed with their keys into uint64
      ``key << 32 | ~index`` and bitonic-sorted descending (``tl.sort``), which orders by
      score and, among equal scores, by lower index; slots ``>= k_eff`` get -1.
+- split top-k (``topk_row_kernel`` with ``STAGE`` 1 and 2; a long row while the rows alone
+  leave SMs idle, see ``indexer_config``): stage 1, one program per ``SEG``-entry segment of
+  a row, does 1. and 2. over the segment and writes its top-k as entry indices and scores,
+  in index order (no sort), into ``[B, S, P * topk]`` candidate buffers (-1 / ``-inf``
+  fillers); stage 2, one program per row, does 1.-3. over the candidates (the fillers never
+  live), ties by lower candidate position, which is lower entry index, and writes the
+  picked candidates' entry indices. The global top-k is within the segments' top-k, as an
+  entry beaten by fewer than ``topk`` entries of the row is beaten by fewer in its segment.
 """
 from __future__ import annotations
 
@@ -136,11 +144,13 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr):
+def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr, index_row, MAPPED: tl.constexpr):
     """Sort the ``k_eff`` compacted indices in ``out_row`` by score descending, then index
     ascending, and fill slots ``k_eff .. TOPK`` with -1. The indices are packed with their
     keys into uint64 ``key << 32 | ~index`` for one bitonic ``tl.sort`` (``k log^2 k``
-    compare-swaps, where ranking each pick by counting the picks that beat it takes ``k^2``)."""
+    compare-swaps, where ranking each pick by counting the picks that beat it takes ``k^2``).
+    ``MAPPED``: the indices are positions in ``row``; the slots get ``index_row[position]``
+    (the split top-k's merge: candidate position -> entry index)."""
     j = tl.arange(0, KPAD)
     picked = j < k_eff
     idx = tl.load(out_row + j * so_k, mask=picked, other=0)
@@ -149,6 +159,8 @@ def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr):
     packed = tl.where(picked, packed, tl.zeros_like(packed))
     packed = tl.sort(packed, descending=True)
     idx = _not32(packed.to(tl.uint32)).to(tl.int32)
+    if MAPPED:
+        idx = tl.load(index_row + idx.to(tl.int64) * ss_n, mask=picked, other=-1)
     tl.debug_barrier()  # every thread has read the unsorted picks before any is overwritten
     tl.store(out_row + j * so_k, tl.where(picked, idx, -1), mask=j < TOPK)
 
@@ -211,17 +223,17 @@ def topk_kernel(
     tl.debug_barrier()  # the compacted indices are re-read by other threads
 
     # 3. order the k_eff picks: score descending, then index ascending
-    _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD)
+    _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD, row, False)
 
 
 @triton.jit
 def topk_row_kernel(
-    scores_ptr, vis_ptr, out_ptr,
+    scores_ptr, vis_ptr, out_ptr, cand_ptr,
     S, N, TOPK,
     ss_b, ss_s, ss_n,
     sv_b, sv_s,
     so_b, so_s, so_k,
-    ROW: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr,
+    ROW: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr, STAGE: tl.constexpr, SEG: tl.constexpr,
 ):
     """``topk_kernel`` for rows of at most ``ROW`` scores, with the row held in registers.
 
@@ -229,6 +241,18 @@ def topk_row_kernel(
     grows with its bins, the number of passes shrinks with them) and stops as soon as the
     threshold's digit bin holds exactly the picks still needed, which also makes the
     compaction one prefix sum instead of two (no tie rank needed).
+
+    ``STAGE`` 0: the whole row (``cand_ptr`` unused). The split top-k (rows of ``N > SEG``
+    scores cut in ``P = cdiv(N, SEG)`` segments, ``ROW == SEG`` in stage 1):
+    - ``STAGE`` 1, program ``(row, p)``: the top-``TOPK`` of segment ``p``'s visible entries,
+      unsorted, in index order (the compaction's), as entry indices ``p * SEG + i`` into
+      ``out_ptr`` and their scores into ``cand_ptr`` (both ``[B, S, P * TOPK]``, strides
+      ``so_*``) at ``p * TOPK``; the segment's slots past its picks get -1 / ``-inf``.
+    - ``STAGE`` 2, one program per row: the row kernel over the ``P * TOPK`` candidate scores
+      (``scores_ptr``; ``cand_ptr`` the candidate indices, same strides ``ss_*``), live where
+      the index is not -1, ``k_eff = min(visible, TOPK)`` of the true row; the candidates are
+      in ascending entry order, so ties by lower position are ties by lower entry index, and
+      the slots get the picked candidates' entry indices.
     """
     # prologue inline, not in a helper: torch's TTIR mutation analysis counts the pointer
     # arguments of a helper as written, and Inductor would clone them before every launch
@@ -237,13 +261,24 @@ def topk_row_kernel(
     s = (pid_t % S).to(tl.int64)
     vis = tl.load(vis_ptr + b * sv_b + s * sv_s)
     vis = tl.minimum(tl.maximum(vis, 0), N)
-    k_eff = tl.minimum(vis, TOPK)
     row = scores_ptr + b * ss_b + s * ss_s
     out_row = out_ptr + b * so_b + s * so_s
-
     offs = tl.arange(0, ROW)
-    live = offs < vis
-    key = _ordered_key(tl.load(row + offs * ss_n, mask=live, other=0.0))
+    if STAGE == 1:  # segment p of the row: entries [p * SEG, p * SEG + SEG)
+        seg = tl.program_id(1)
+        vis = tl.minimum(tl.maximum(vis - seg * SEG, 0), SEG)
+        row += seg * SEG * ss_n
+        out_row += seg * TOPK * so_k
+        score_out = cand_ptr + b * so_b + s * so_s + seg * TOPK * so_k
+    k_eff = tl.minimum(vis, TOPK)
+    if STAGE == 2:  # the candidates: the -1 / -inf fillers of stage 1 are never live
+        index_row = cand_ptr + b * ss_b + s * ss_s
+        live = tl.load(index_row + offs * ss_n, mask=offs < tl.cdiv(N, SEG) * TOPK, other=-1) >= 0
+    else:
+        index_row = row  # unused
+        live = offs < vis
+    x = tl.load(row + offs * ss_n, mask=live, other=0.0)
+    key = _ordered_key(x)
 
     # 1. radix select over the candidates (entries whose known high bits equal prefix)
     NB: tl.constexpr = 1 << BITS
@@ -275,11 +310,19 @@ def topk_row_kernel(
         eq = (live & (high == prefix)).to(tl.int32)
         sel = ((live & (high > prefix)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < k_rem))).to(tl.int32)
     slot = tl.cumsum(sel, 0) - sel
-    tl.store(out_row + slot * so_k, offs, mask=sel != 0)
-    tl.debug_barrier()  # the compacted indices are re-read by other threads
+    if STAGE == 1:  # the segment's picks in index order, then the fillers: no ordering
+        tl.store(out_row + slot * so_k, offs + seg * SEG, mask=sel != 0)
+        tl.store(score_out + slot * so_k, x, mask=sel != 0)
+        j = tl.arange(0, KPAD)
+        filler = (j >= k_eff) & (j < TOPK)
+        tl.store(out_row + j * so_k, tl.full([KPAD], -1, tl.int32), mask=filler)
+        tl.store(score_out + j * so_k, tl.full([KPAD], float("-inf"), tl.float32), mask=filler)
+    else:
+        tl.store(out_row + slot * so_k, offs, mask=sel != 0)
+        tl.debug_barrier()  # the compacted indices are re-read by other threads
 
-    # 3. order the k_eff picks: score descending, then index ascending
-    _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD)
+        # 3. order the k_eff picks: score descending, then index ascending
+        _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD, index_row, STAGE == 2)
 
 
 # --------------------------------------------------------------------------------------
@@ -299,6 +342,14 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     kernel); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
     ``loop_warps`` warps). The values are the fastest of the H200 sweeps
     (BENCHMARKS.md, "Kernel design notes").
+    Split top-k (``TOPK_SPLIT`` = the segment ``SEG``, a power of two; 0 = off): one program
+    per row leaves the GPU mostly idle when the rows are fewer than its SMs (batch-1 decode:
+    one row on one SM of 132), and that one program's time grows with the row (its register
+    row, its digit passes). So a row of ``N > SEG`` scores is cut in ``cdiv(N, SEG)`` segments
+    of one program each (stage 1: each segment's top-k), and one program per row merges their
+    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S < sms``, ``N >
+    SEG``, ``topk < SEG`` (a segment keeps fewer entries than it reads) and the candidates fit
+    a row-kernel row (``<= TOPK_ROW``); a full GPU of rows gains nothing from more programs.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware.
@@ -306,9 +357,12 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     block_n = 64
     per_program = -(-(B * S * N) // (2 * sms))
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
+    topk_row = 0 if backend == "hip" else 32768
+    seg = 4096
+    split = backend == "cuda" and B * S < sms and seg < N and topk < seg and -(-N // seg) * topk <= topk_row
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
-                TOPK_ROW=0 if backend == "hip" else 32768, TOPK_BITS=5,
+                TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg if split else 0,
                 row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)))
 
 
@@ -347,16 +401,35 @@ def _entries(keys: torch.Tensor) -> int:
 
 
 def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
-                  cfg: dict) -> tuple[Launch | None, Launch | None]:
-    """The top-k pass over ``[B, S, N]`` scores into ``out``: ``(topk_row_kernel launch,
-    topk_kernel launch)``, exactly one of them not ``None`` (``cfg``: ``indexer_config``)."""
+                  cfg: dict) -> tuple[tuple[Launch, ...], Launch | None]:
+    """The top-k pass over ``[B, S, N]`` scores into ``out``: ``(topk_row_kernel launches,
+    topk_kernel launch or None)`` (``cfg``: ``indexer_config``). Exactly one of: one row
+    launch (rows of at most ``TOPK_ROW`` scores), two (the split top-k's stages 1 and 2, in
+    order: rows of more than ``TOPK_SPLIT`` scores when it is not 0; the candidate buffers are
+    allocated here), the looped launch."""
     B, S, N = scores.shape
-    args = (scores, visible, out, S, N, topk, *scores.stride(), *visible.stride(), *out.stride())
+    vis_out = (*visible.stride(), *out.stride())
+    row_meta = dict(KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"], num_warps=cfg["row_warps"])
+    seg = cfg.get("TOPK_SPLIT", 0)
+    if seg and N > seg:
+        assert seg == next_pow2(seg) and seg >= 16, f"TOPK_SPLIT must be a power of two >= 16, got {seg}"
+        P = -(-N // seg)
+        # stage 1 writes each segment's picks (entry indices, scores; -1 / -inf fillers) at p * topk;
+        # one shape, one layout: the kernel addresses both with the index buffer's strides
+        cand_idx = torch.empty((B, S, P * topk), dtype=torch.int32, device=scores.device)
+        cand_scores = torch.empty((B, S, P * topk), dtype=torch.float32, device=scores.device)
+        stage1 = Launch((B * S, P), (scores, visible, cand_idx, cand_scores, S, N, topk, *scores.stride(),
+                                     *visible.stride(), *cand_idx.stride()),
+                        dict(row_meta, ROW=seg, STAGE=1, SEG=seg))
+        stage2 = Launch((B * S,), (cand_scores, visible, out, cand_idx, S, N, topk, *cand_scores.stride(), *vis_out),
+                        dict(row_meta, ROW=max(16, next_pow2(P * topk)), STAGE=2, SEG=seg))
+        return (stage1, stage2), None
     if N <= cfg["TOPK_ROW"]:
-        return Launch((B * S,), args, dict(ROW=max(16, next_pow2(N)), KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"],
-                                           num_warps=cfg["row_warps"])), None
-    return None, Launch((B * S,), args, dict(BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"],
-                                             num_warps=cfg["loop_warps"]))
+        # STAGE 0 reads no candidates: cand_ptr is the scores, never accessed
+        args = (scores, visible, out, scores, S, N, topk, *scores.stride(), *vis_out)
+        return (Launch((B * S,), args, dict(row_meta, ROW=max(16, next_pow2(N)), STAGE=0, SEG=0)),), None
+    args = (scores, visible, out, S, N, topk, *scores.stride(), *vis_out)
+    return (), Launch((B * S,), args, dict(BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["loop_warps"]))
 
 
 # The fp32 scores scratch of one launch group, at most. A prefill chunk at large batch and long
@@ -378,8 +451,9 @@ def token_group(B: int, S: int, N: int, budget: int | None = None) -> int:
 
 class IndexerLaunches(NamedTuple):
     out: torch.Tensor  # [B, S, topk] int32
-    # per group of query tokens (token_group), in order: (indexer_scores_kernel, topk_row_kernel,
-    # topk_kernel) launches; the scores launch is never None, exactly one of the top-k launches is.
+    # per group of query tokens (token_group), in order: (indexer_scores_kernel launch,
+    # topk_row_kernel launches, topk_kernel launch or None) -- topk_launches' pair after the
+    # scores launch (never None): one row launch, the split top-k's two, or the looped one.
     # Empty when there is nothing to launch (no tokens, or an empty pool: out is then all -1).
     groups: tuple
 
@@ -432,8 +506,9 @@ def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out
                      cfg: dict) -> torch.Tensor:
     """Raw launcher of the top-k pass alone, over precomputed ``[B, S, N]`` scores (``cfg``:
     ``indexer_config``)."""
-    row, loop = topk_launches(scores, visible, topk, out, cfg)
-    launch(topk_row_kernel, row)
+    rows, loop = topk_launches(scores, visible, topk, out, cfg)
+    for row in rows:
+        launch(topk_row_kernel, row)
     launch(topk_kernel, loop)
     return out
 
@@ -445,8 +520,9 @@ def indexer_topk(*args, **kwargs) -> torch.Tensor:
     -1 sentinels; ``visible`` is clamped to ``[0, N]`` (the raw-op contract, shared with the
     reference)."""
     launches = indexer_launches(*args, **kwargs)
-    for scoring, row, loop in launches.groups:
+    for scoring, rows, loop in launches.groups:
         launch(indexer_scores_kernel, scoring)
-        launch(topk_row_kernel, row)
+        for row in rows:
+            launch(topk_row_kernel, row)
         launch(topk_kernel, loop)
     return launches.out
