@@ -22,6 +22,7 @@
 #             dsv4_ops.load_pretrained onto the GPU: seconds, peak host RSS, peak GPU memory (benchmarks/bench_load.py)
 #   flash-32k = the Flash slice's public decode at batch 1, 8 x 32K (the rows the batch-1 / 8 expert path changed)
 #   gpu-tests = the `gpu` tests only (the first half of `tests`)
+#   files-tests = the test files named in $TESTS, gpu and cpu tests alike, on the GPU
 #   fp8-tests = the FP8-cache tests on the GPU: the model tests' cuda half and the FP8 kernels compiled (not
 #             interpreted) against the reference, bit for bit
 #   fp8-kernels = the FP8 kernels compiled (not interpreted) against the reference only (tests/test_triton_interp_fp8.py)
@@ -37,6 +38,8 @@
 #             launch-config sweep at one token (benchmarks/bench_gemv.py --sweep), + the gemv tests on the GPU
 #   ops-fp8 = per-kernel benchmark of the cache readers with a bf16 vs an FP8 KV cache (issue #15): sparse_attention
 #             CSA + HCA and indexer_topk, Flash widths, batch 1, 64, 128 x context 32K, 128K (36 cases)
+#   sweep-sinkhorn = the Sinkhorn kernel's matrices per program and warps at T = 1, 64 (decode) and 1024, 65536 (prefill)
+#   sweep-topk-b1 = the top-k pass at batch 1 and 8 over 8258 scores (the Flash slice's 32K pool): row kernel vs split
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
 #             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
 #             sweep-attention-small = its split count at B=1, 16
@@ -118,6 +121,9 @@ for what in "$@"; do
            --out "$OUT/kv_capacity_chunk64.json" 2>&1 | quiet | tee "$OUT/kv_capacity_chunk64.log" || rc=1 ;;
     kv-capacity) python3 benchmarks/kv_capacity.py --config flash-slice --batches 64 --fill 64 --prefill-chunk 8 --step 131072 \
            --out "$OUT/kv_capacity.json" 2>&1 | quiet | tee "$OUT/kv_capacity.log" || rc=1 ;;
+    files-tests) # TESTS="tests/a.py tests/b.py": those files, gpu and cpu tests, on the GPU (kernels compiled)
+           python3 -m pytest -q -m "gpu or not gpu" ${TESTS:?set TESTS to the test files} -p no:cacheprovider 2>&1 \
+           | tee "$OUT/files_tests.log" | grep -e passed -e failed -e Error -e FAIL | tail -20 || rc=1 ;;
     gpu-tests) OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} -m gpu tests \
         -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/gpu_tests.log" | tail -32 || rc=1 ;;
     flash-hf) python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --hf-points 1x4096 \
@@ -131,6 +137,12 @@ for what in "$@"; do
            2>&1 | quiet | tee "$OUT/profile_flash.log" | grep -v "^ " || rc=1 ;;
     profile) python3 benchmarks/profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json" 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
+    sweep-sinkhorn) python3 benchmarks/sweep_kernels.py --only sinkhorn --batches 1 64 --out "$OUT/sweep_sinkhorn.json" 2>&1 \
+           | quiet | tee "$OUT/sweep_sinkhorn.log" | grep -e best -e Error || rc=1 ;;
+    sweep-topk-b1) # the top-k of a batch-1 / 8 decode step over the Flash slice's 32K pool (8258 entries: max_seq_len
+           # 32K + 264, as flash-b1 runs it): one program per row vs the split top-k
+           python3 benchmarks/sweep_kernels.py --only topk --batches 1 8 --ctx 33032 --out "$OUT/sweep_topk_b1.json" 2>&1 \
+           | quiet | tee "$OUT/sweep_topk_b1.log" | grep -e best -e Error || rc=1 ;;
     sweep-indexer) { python3 benchmarks/sweep_kernels.py --batches 64 --only scores topk --out "$OUT/sweep_ix_b64.json" &&
              python3 benchmarks/sweep_kernels.py --batches 1 --only scores topk --out "$OUT/sweep_ix_b1.json"; } 2>&1 \
              | quiet | tee "$OUT/sweep_ix.log" | grep -e best -e rror || rc=1 ;;

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
+import pstats
 import sys
 from pathlib import Path
 
@@ -56,6 +59,28 @@ def table(by_name: dict[str, tuple[float, float]], step_ms: float, label: str, l
     return tab
 
 
+def host_profile(fn, reps: int, log, top: int = 25) -> list[dict]:
+    """Where the host spends a public call (cProfile over ``fn()``, ``reps`` calls): the ``top``
+    functions by own time, per call. The call's time minus its kernels' is host work the GPU waits
+    for, since ``decode`` synchronises."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        rows.append(dict(where=f"{Path(file).name}:{line}:{name}", calls_per_call=calls / reps,
+                         own_us=own / reps * 1e6, cum_us=cum / reps * 1e6))
+    rows.sort(key=lambda r: -r["own_us"])
+    log(f"host, per call (cProfile, {reps} calls; profiling slows Python down): own us / cumulative us / calls")
+    for r in rows[:top]:
+        log(f"   {r['own_us']:8.1f} {r['cum_us']:9.1f} {r['calls_per_call']:7.1f}  {r['where'][:100]}")
+    return rows[:200]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -84,6 +109,7 @@ def main(argv=None) -> None:
     got = kernels(decode_reps)
     per = {n: (len(v) / args.reps, sum(v) / args.reps) for n, v in got.items()}
     res["decode"] = table(per, t.ms, f"decode B={B} ctx={ctx}", log)
+    res["decode"]["host"] = host_profile(decode_reps, args.reps, log)
     del gen
     if args.spec:
         n_short, n_long = args.new_tokens

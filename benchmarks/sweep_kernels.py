@@ -1,6 +1,6 @@
 """Launch-config sweep of the hot decode kernels on one GPU (tuning data for the static configs).
 
-    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk ...]
+    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk|sinkhorn ...]
 
 For each kernel the script builds the per-kernel benchmark's inputs
 (``benchmarks/kernel_bench/cases.py``: V4-Flash widths, context 32K, L2-cold input copies), runs
@@ -25,6 +25,7 @@ from benchmarks.kernel_bench import cases as C  # noqa: E402
 from benchmarks.kernel_bench import roofline as rl  # noqa: E402
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from lowering.triton import indexer as ix  # noqa: E402
+from lowering.triton import sinkhorn as sk  # noqa: E402
 from lowering.triton import sparse_attention as sa  # noqa: E402
 
 CTX = 32768
@@ -123,7 +124,8 @@ def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: fl
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/sweep.json")
-    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk"], default=["attention", "scores", "topk"])
+    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk", "sinkhorn"],
+                   default=["attention", "scores", "topk"])
     p.add_argument("--batches", type=int, nargs="+", default=[64])
     p.add_argument("--target-ms", type=float, default=30.0)
     p.add_argument("--ctx", type=int, default=32768, help="context of every case (default: %(default)s)")
@@ -199,6 +201,14 @@ def main(argv=None) -> int:
             del copies
             torch.cuda.empty_cache()
             out.write_text(json.dumps(rows, indent=1))
+        if "sinkhorn" in args.only:  # one mHC site: the decode step's B matrices, a 1024-token prefill chunk's
+            for T in (B, B * 1024):
+                comb = [((torch.rand(T, 4, 4, device=dev) * 3).softmax(-1) + 1e-6,) for _ in range(4)]
+                base = sk.sinkhorn_config(T, 4)
+                configs = [base] + [c for c in (dict(BLOCK_T=bt, num_warps=w) for bt, w in
+                                                ((2, 1), (8, 1), (16, 2), (64, 4), (4, 2))) if c != base]
+                rows += sweep(f"sinkhorn T={T}", lambda a, cfg: sk.sinkhorn(a[0], 20, 1e-6, config=cfg), configs,
+                              comb, rl.floor_us(rl.sinkhorn_cost(T)), args.target_ms, log)
     out.write_text(json.dumps(rows, indent=1))
     log(f"wrote {out}")
     return 0

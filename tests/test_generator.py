@@ -220,3 +220,17 @@ def test_constructor_rejects_bad_arguments(model) -> None:
         Generator(model, max_seq_len=8, compile=False, spec_steps=True)
     with pytest.raises(ValueError, match="cuda_graphs must be True, False or None"):
         Generator(model, max_seq_len=8, compile=False, cuda_graphs="auto")
+
+
+def test_decode_ids_are_viewed_when_full_and_standard_else_padded():
+    """``pad_rows``: a full int64 batch with stride (1,) is the step's input as it is (no copy per
+    decode call); a strided column, another dtype or a partial batch get a fresh [rows, 1] copy
+    with standard strides (dynamo guards on strides)."""
+    from dsv4_ops.generation_loop import pad_rows
+    ids = torch.tensor([7, 8, 9])
+    assert pad_rows(ids, 3).data_ptr() == ids.data_ptr() and pad_rows(ids, 3).stride() == (1, 1)
+    column = torch.tensor([[5, 9], [6, 9]])[:1, 0]  # contiguous by is_contiguous(), stride (2,)
+    for got, want in ((pad_rows(column, 1), [[5]]), (pad_rows(ids.int(), 3), [[7], [8], [9]]),
+                      (pad_rows(ids[:2], 3), [[7], [8], [0]])):
+        assert got.dtype == torch.long and got.stride() == (1, 1) and got.tolist() == want
+    assert pad_rows(column, 1).data_ptr() != column.data_ptr()

@@ -103,9 +103,14 @@ def test_split_is_chosen_only_for_few_long_rows_on_cuda():
     # batch-1 decode at 32K context (8258 pool entries, top-512): one row, 131 SMs idle
     assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 4096
     assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=1024, sms=132)["TOPK_SPLIT"] == 4096  # Pro's width
-    assert cfg(B=131, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 4096
-    assert cfg(B=2, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 4096  # 128K context
-    # the rows fill the GPU (B * S >= sms): one program per row as before
+    assert cfg(B=8, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 4096
+    assert cfg(B=1, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 4096  # 128K context
+    # past the rows the H200 sweep measured (8), or rows that fill the GPU (B * S >= sms): one
+    # program per row as before
+    assert indexer.TOPK_SPLIT_MAX_ROWS == 8
+    assert cfg(B=9, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
+    assert cfg(B=2, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 0
+    assert cfg(B=64, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=256, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=132, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=2, S=66, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0

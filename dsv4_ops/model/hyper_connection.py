@@ -11,10 +11,10 @@ All mixing weights are computed in fp32 whatever the stream dtype. NOTE: keep th
 would round them, and the `.float()` casts below cannot undo that.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from .linear import fp32_linear
 
 
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +41,7 @@ class HyperConnection(nn.Module):
     def collapse(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, S, N, D] -> (u [B, S, D] in x.dtype, post [B, S, N] fp32, comb [B, S, N, N] fp32)."""
         N = self.hc_mult
-        mix = F.linear(_rms_normalize(x.flatten(2).float(), self.norm_eps), self.fn.float())  # [B, S, (2+N)*N]
+        mix = fp32_linear(_rms_normalize(x.flatten(2).float(), self.norm_eps), self.fn)  # [B, S, (2+N)*N]
         pre_w, post_w, comb_w = mix.split([N, N, N * N], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([N, N, N * N])
         pre_s, post_s, comb_s = self.scale.float().unbind(0)
@@ -62,7 +62,15 @@ class HyperConnection(nn.Module):
         Mixed in fp32 and cast once (the official reference's hc_post); HF instead casts post/comb
         to the stream dtype first; identical in fp32.
         """
-        out = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.float())
+        comb_t = comb.transpose(-1, -2)
+        if torch.compiler.is_compiling():
+            # an N-term sum per output (N = 4): Inductor fuses it with the rest of the line into one
+            # kernel, where a matmul is a cuBLAS GEMM of inner size 4 (3 us each, 8 per Flash-slice
+            # decode step on the H200); eager keeps the matmul (the sum would materialise [.., N, N, D])
+            mixed = (comb_t.unsqueeze(-1) * x.float().unsqueeze(-3)).sum(-2)
+        else:
+            mixed = torch.matmul(comb_t, x.float())
+        out = post.unsqueeze(-1) * y.unsqueeze(-2) + mixed
         return out.to(x.dtype)
 
 
@@ -77,6 +85,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mix = F.linear(_rms_normalize(x.flatten(2).float(), self.norm_eps), self.hc_fn.float())  # [B, S, N]
+        mix = fp32_linear(_rms_normalize(x.flatten(2).float(), self.norm_eps), self.hc_fn)  # [B, S, N]
         pre = torch.sigmoid(mix * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)

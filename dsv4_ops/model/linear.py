@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowering.triton.gemv import MAX_TOKENS
 from ..ops._backend import use_triton
 
-__all__ = ["Linear", "grouped_linear", "gemv_supported", "GEMV_MAX_TOKENS", "GEMV_MIN_ROWS", "GEMV_MIN_K"]
+__all__ = ["Linear", "grouped_linear", "gemv_supported", "fp32_linear", "GEMV_MAX_TOKENS", "GEMV_MIN_ROWS",
+           "GEMV_MIN_K", "FP32_SUM_MAX_TOKENS"]
 
 # Where the GEMV beat cuBLAS on the H200 (benchmarks/bench_gemv.py, BENCHMARKS.md session 9):
 # one token (at 2 tokens it wins only on some shapes, from 4 it loses everywhere);
@@ -58,3 +60,23 @@ def grouped_linear(x: Tensor, weight: Tensor) -> Tensor:
     if gemv_supported(x, weight, tokens, G * N):
         return torch.ops.dsv4.gemv(x.reshape(tokens, G, K), weight).view(*x.shape[:-1], N)
     return torch.einsum("...gk,gnk->...gn", x, weight)
+
+
+# The fp32 projections onto a few outputs (the mHC mixing weights: 24 of 4 x 4096 inputs; the routers:
+# 256 of 4096): at a decode step's token or two, cuBLAS runs each as one to three latency-bound
+# kernels (a cast of the bf16 router weight to fp32, then an fp32 GEMV or a dot + reduce pair), 13 of
+# them per Flash-slice step. Written as a product and a sum, Inductor makes each one reduction kernel
+# that reads the weight once in its stored dtype. Only when compiling (eager keeps F.linear and its
+# numerics) and only for few tokens: at many tokens the product-and-sum reads the weight
+# once per token where a GEMM reads it once per tile.
+FP32_SUM_MAX_TOKENS = 4
+
+
+def fp32_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x.float(), weight.float())``: in fp32 whatever the dtypes (``[..., K] x [N, K] -> [..., N]``)."""
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    # statically known: a symbolic token count (dynamic=True) keeps the GEMM rather than adding a guard
+    # on it (and a graph per side of the threshold)
+    if torch.compiler.is_compiling() and statically_known_true((tokens > 0) & (tokens <= FP32_SUM_MAX_TOKENS)):
+        return (x.float().unsqueeze(-2) * weight.float()).sum(-1)
+    return F.linear(x.float(), weight.float())

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..lowering.triton.moe_gemv import MAX_ASSIGNMENTS
 from ..ops._backend import use_triton
-from .linear import Linear
+from .linear import Linear, fp32_linear
 
 __all__ = ["swiglu", "Router", "Experts", "MLP", "MoE", "SCORE_FUNCS", "route_layout", "grouped_mm_supported",
            "moe_gemv_supported"]
@@ -50,7 +50,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor, input_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: [T, D], input_ids: [T] (hash only) -> (weights [T, K] fp32, indices [T, K] int64)."""
         # fp32 like the official Gate (HF runs this linear in the model dtype; same in fp32)
-        scores = SCORE_FUNCS[self.score_func](F.linear(x.float(), self.weight.float()))  # [T, E]
+        scores = SCORE_FUNCS[self.score_func](fp32_linear(x, self.weight))  # [T, E]
         if self.is_hash:
             indices = self.tid2eid[input_ids.reshape(-1)].long()
         else:

@@ -328,6 +328,12 @@ def topk_row_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
+# The split top-k's rows at most: the H200 sweep over 8258 scores (sweep_kernels.py, session 10) found it
+# fastest at 1 and 8 rows; at 64 rows (64 programs already busy) the row kernel was tuned and the split not
+# timed, so wider batches keep the row kernel until a sweep says otherwise.
+TOPK_SPLIT_MAX_ROWS = 8
+
+
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
                    backend: str = "cuda") -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
@@ -347,7 +353,8 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     one row on one SM of 132), and that one program's time grows with the row (its register
     row, its digit passes). So a row of ``N > SEG`` scores is cut in ``cdiv(N, SEG)`` segments
     of one program each (stage 1: each segment's top-k), and one program per row merges their
-    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S < sms``, ``N >
+    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S <= TOPK_SPLIT_MAX_ROWS``
+    (the rows measured) and ``< sms``, ``N >
     SEG``, ``topk < SEG`` (a segment keeps fewer entries than it reads) and the candidates fit
     a row-kernel row (``<= TOPK_ROW``); a full GPU of rows gains nothing from more programs.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
@@ -359,7 +366,9 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     topk_row = 0 if backend == "hip" else 32768
     seg = 4096
-    split = backend == "cuda" and B * S < sms and seg < N and topk < seg and -(-N // seg) * topk <= topk_row
+    rows = B * S
+    split = (backend == "cuda" and rows <= TOPK_SPLIT_MAX_ROWS and rows < sms and seg < N and topk < seg
+             and -(-N // seg) * topk <= topk_row)
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
                 TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg if split else 0,

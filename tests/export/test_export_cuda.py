@@ -18,9 +18,12 @@ import pytest
 import torch
 
 import dsv4_ops
-from dsv4_ops import Generator
+from dsv4_ops import DSV4Config, Generator
 from model_util import random_model
 from package_case import CFG, LIMITS, NEW_TOKENS, PROMPTS
+
+# the package case with FP8-cache widths (448 + 64 would be V4's; 128 nope dims = two scale blocks)
+FP8_CFG = DSV4Config.tiny(head_dim=144, num_hidden_layers=3, hca_ratio=8)
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,3 +85,26 @@ def test_cpp_runner_on_cuda_equals_the_graphed_generator(cuda_case) -> None:
     rows = [line for line in res.stdout.strip().splitlines() if re.fullmatch(r"[\d,]+", line)]
     assert [[int(t) for t in r.split(",")] for r in rows] == want
     assert "graph" in res.stderr.lower()  # it says it replays decode as a CUDA graph
+
+
+def test_fp8_cache_package_on_cuda_equals_the_graphed_fp8_generator(tmp_path) -> None:
+    """``export(kv_cache_dtype="fp8")``: the package holds the FP8 pool layout, and ``AOTIGenerator``
+    reading it generates the tokens of the CUDA-graphed ``Generator(kv_cache_dtype="fp8")`` (the
+    same quantised cache, so exact)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = FP8_CFG
+    model = random_model(cfg, device="cuda", seed=23)
+    graphed = Generator(model, compile=True, cuda_graphs=True, kv_cache_dtype="fp8", **LIMITS)
+    graphed.generate(PROMPTS, max_new_tokens=3)  # warm-up: compile + record
+    want = graphed.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    path = str(tmp_path / "tiny_fp8.pt2")
+    dsv4_ops.export(model, path, kv_cache_dtype="fp8", **LIMITS)
+    code = (f"import json, dsv4_ops; g = dsv4_ops.AOTIGenerator({path!r}); "
+            f"out = g.generate({PROMPTS!r}, max_new_tokens={NEW_TOKENS}); "
+            "print(json.dumps([out, g.stats['cuda_graph_replays'], g.kv_cache_dtype]))")
+    res = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tokens, replays, kv_cache_dtype = json.loads(res.stdout.strip().splitlines()[-1])
+    assert kv_cache_dtype == "fp8"
+    assert tokens == want
+    assert replays >= NEW_TOKENS - 2
