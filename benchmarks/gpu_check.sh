@@ -40,6 +40,7 @@
 #             CSA + HCA and indexer_topk, Flash widths, batch 1, 64, 128 x context 32K, 128K (36 cases)
 #   sweep-sinkhorn = the Sinkhorn kernel's matrices per program and warps at T = 1, 64 (decode) and 1024, 65536 (prefill)
 #   sweep-topk-b1 = the top-k pass at batch 1 and 8 over 8258 scores (the Flash slice's 32K pool): row kernel vs split
+#             (both sweeps print every config's line: a call returns 8 files, and session 10 lost a sweep log that way)
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
 #             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
 #             sweep-attention-small = its split count at B=1, 16
@@ -138,11 +139,11 @@ for what in "$@"; do
     profile) python3 benchmarks/profile_step.py --batch 1 --context 4096 --spec 3 --out "$OUT/profile_b1.json" 2>&1 \
                | quiet | tee "$OUT/profile.log" || rc=1 ;;
     sweep-sinkhorn) python3 benchmarks/sweep_kernels.py --only sinkhorn --batches 1 64 --out "$OUT/sweep_sinkhorn.json" 2>&1 \
-           | quiet | tee "$OUT/sweep_sinkhorn.log" | grep -e best -e Error || rc=1 ;;
+           | quiet | tee "$OUT/sweep_sinkhorn.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
     sweep-topk-b1) # the top-k of a batch-1 / 8 decode step over the Flash slice's 32K pool (8258 entries: max_seq_len
            # 32K + 264, as flash-b1 runs it): one program per row vs the split top-k
            python3 benchmarks/sweep_kernels.py --only topk --batches 1 8 --ctx 33032 --out "$OUT/sweep_topk_b1.json" 2>&1 \
-           | quiet | tee "$OUT/sweep_topk_b1.log" | grep -e best -e Error || rc=1 ;;
+           | quiet | tee "$OUT/sweep_topk_b1.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
     sweep-indexer) { python3 benchmarks/sweep_kernels.py --batches 64 --only scores topk --out "$OUT/sweep_ix_b64.json" &&
              python3 benchmarks/sweep_kernels.py --batches 1 --only scores topk --out "$OUT/sweep_ix_b1.json"; } 2>&1 \
              | quiet | tee "$OUT/sweep_ix.log" | grep -e best -e rror || rc=1 ;;
