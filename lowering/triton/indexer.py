@@ -353,10 +353,10 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     one row on one SM of 132), and that one program's time grows with the row (its register
     row, its digit passes). So a row of ``N > SEG`` scores is cut in ``cdiv(N, SEG)`` segments
     of one program each (stage 1: each segment's top-k), and one program per row merges their
-    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S <= TOPK_SPLIT_MAX_ROWS``
-    (the rows measured) and ``< sms``, ``N >
-    SEG``, ``topk < SEG`` (a segment keeps fewer entries than it reads) and the candidates fit
-    a row-kernel row (``<= TOPK_ROW``); a full GPU of rows gains nothing from more programs.
+    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S`` is at most
+    ``TOPK_SPLIT_MAX_ROWS`` (the rows measured) and below ``sms``, ``N > SEG``, ``topk < SEG``
+    (a segment keeps fewer entries than it reads) and the candidates fit a row-kernel row
+    (``<= TOPK_ROW``).
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware.
