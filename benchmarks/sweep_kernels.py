@@ -1,6 +1,6 @@
 """Launch-config sweep of the hot decode kernels on one GPU (tuning data for the static configs).
 
-    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk|sinkhorn ...]
+    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk|sinkhorn|fp8 ...]
 
 For each kernel the script builds the per-kernel benchmark's inputs
 (``benchmarks/kernel_bench/cases.py``: V4-Flash widths, context 32K, L2-cold input copies), runs
@@ -87,6 +87,30 @@ def _topk_configs(base: dict, n: int) -> list[dict]:
     return out
 
 
+def _fp8_attention_configs(base: dict) -> list[dict]:
+    """The FP8 readers' decode (``E4M3_HW``: 0 integer, 2 hardware convert, 3 bit moves, 4 bit moves in
+    PTX) and how many gathered blocks are in flight (stages; more than fit raise at launch and are
+    reported)."""
+    out = [base]
+    grid = [(hw, 32, st) for hw in (0, 2, 3, 4) for st in (2, 3)] + [(hw, 16, 4) for hw in (0, 4)]
+    grid += [(4, 32, 4), (4, 32, 5), (4, 64, 2)]
+    for hw, bn, stages in grid:
+        cfg = dict(base, E4M3_HW=hw, num_stages=stages, BLOCK_N=bn)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def _fp8_scores_configs(base: dict) -> list[dict]:
+    out = [base]
+    for hw in (0, 2, 3, 4):
+        for bn, chunk, warps, stages in [(64, base["CHUNK"], 4, 3), (128, base["CHUNK"], 8, 3)]:
+            cfg = dict(base, E4M3_HW=hw, BLOCK_N=bn, CHUNK=chunk, num_warps=warps, num_stages=stages)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     if got.dtype in (torch.int32, torch.int64):
         return bool((got == want).float().mean() >= 0.99)  # near-ties may swap at the k-th score
@@ -124,7 +148,7 @@ def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: fl
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/sweep.json")
-    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk", "sinkhorn"],
+    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk", "sinkhorn", "fp8"],
                    default=["attention", "scores", "topk"])
     p.add_argument("--batches", type=int, nargs="+", default=[64])
     p.add_argument("--target-ms", type=float, default=30.0)
@@ -198,6 +222,34 @@ def main(argv=None) -> int:
                         best.update({key: cand[0]["config"][key] for key in keys_of})
                 rows += sweep(f"indexer_topk B={B}", lambda a, cfg: ix.indexer_topk(*a, config=cfg),
                               [base, dict(base, **best)], copies, rl.floor_us(case.cost), args.target_ms, log)
+            del copies
+            torch.cuda.empty_cache()
+            out.write_text(json.dumps(rows, indent=1))
+        if "fp8" in args.only:  # the FP8-cache readers: attention (Flash CSA, HCA) and the indexer scores
+            for d, variant in ((FLASH, "csa"), (FLASH, "hca")):
+                case = C.sparse_attention_case(d, variant, B, CTX, d.name, "fp8")
+                copies = _copies(case, dev)
+                entries = d.window + (d.topk if variant == "csa" else CTX // d.hca_ratio)
+                base = sa.attention_config(B, 1, d.heads, d.head_dim, entries, fp8=2)
+                configs = _fp8_attention_configs(base)
+                if variant == "hca":  # the default and the 4 best of CSA
+                    timed = [r for r in rows if r["sweep"] == f"fp8 attention {d.name} csa B={B}" and "time_us" in r]
+                    csa = sorted(timed, key=lambda r: r["time_us"])[:4]
+                    configs = [base] + [r["config"] for r in csa if r["config"] != base]
+                rows += sweep(f"fp8 attention {d.name} {variant} B={B}",
+                              lambda a, cfg: sa.sparse_attention(*a, config=cfg), configs,
+                              copies, rl.floor_us(case.cost), args.target_ms, log)
+                del copies
+                torch.cuda.empty_cache()
+                out.write_text(json.dumps(rows, indent=1))
+            case = C.indexer_topk_case(FLASH, B, CTX, "flash", "fp8")
+            copies = _copies(case, dev)
+            q, w, keys, vis, k = copies[0]
+            n_keys = keys.shape[1] * keys.shape[2]
+            base = ix.indexer_config(B, 1, q.shape[2], q.shape[3], n_keys, k)
+            scores_floor = B * n_keys * keys.shape[3] / 4.3e6  # the keys' bytes (codes + scale) read once, us
+            rows += sweep(f"fp8 indexer_scores B={B}", lambda a, cfg: ix.indexer_scores(*a[:4], config=cfg),
+                          _fp8_scores_configs(base), copies, scores_floor, args.target_ms, log)
             del copies
             torch.cuda.empty_cache()
             out.write_text(json.dumps(rows, indent=1))

@@ -107,13 +107,14 @@ def _launches(backend: str):
                                                       TOPK_ROW=4 * N_POOL, TOPK_SPLIT=0))
     out.append(("topk_row_32k_512",) + recorded[start])
     # the split top-k of a batch-1 decode step at 32K context (8258 pool entries): stage 1 over
-    # 4096-entry segments, stage 2 over the 3 segments' candidates (Flash and Pro widths). CUDA's
-    # config picks it there; ROCm's never does, forced here so that a sweep forcing it builds
-    for topk in (512, 1024):
+    # 2048-entry segments for Flash's top-512 (stage 2 over 5 segments' candidates), 4096 for Pro's
+    # top-1024 (3 segments). CUDA's config picks it there; ROCm's never does, forced here so that a
+    # sweep forcing it builds
+    for topk, seg in ((512, 2048), (1024, 4096)):
         scores = torch.empty(1, 1, 8258, dtype=torch.float32, device=meta_dev)
         cfg = ix.indexer_config(1, 1, HI, DI, 8258, topk, backend=backend)
-        assert cfg["TOPK_SPLIT"] == (0 if backend == "hip" else 4096), cfg
-        cfg["TOPK_SPLIT"] = 4096
+        assert cfg["TOPK_SPLIT"] == (0 if backend == "hip" else seg), cfg
+        cfg["TOPK_SPLIT"] = seg
         start = len(recorded)
         ix.topk_from_scores(scores, vis[:1], topk, picks.new_empty(1, 1, topk), cfg)
         assert len(recorded) == start + 2, "split top-k: two stages"

@@ -3,7 +3,8 @@ gfx950) at DeepSeek-V4 shapes with their launchers' exact configs, without a GPU
 ``test_triton_cross_compile.py``, whose helpers this reuses): the quantising window write and
 compressor epilogues (KV layout, Hadamard-rotated indexer keys), sparse attention reading an FP8
 pool (concat mode) and FP8 window + pool (decode, also split-KV), and the indexer scores over
-FP8 keys. The codec uses integer ops only, so no target needs a native e4m3 type."""
+FP8 keys. ROCm decodes with integer ops only (no native e4m3 type needed); sm_90 with the PTX
+bit moves (``fp8_codec.e4m3_to``, ``E4M3_HW`` 4)."""
 import json
 import os
 import sys
@@ -69,7 +70,7 @@ def _launches(backend: str):
         q = torch.empty(b, S, H, D, **bf16)
         n = len(recorded)
         cfg = sa.attention_config(b, S, H, D, W + K, num_splits=splits, backend=backend, dtype=torch.bfloat16,
-                                  fp8=True)
+                                  fp8=2 if kv.dtype == torch.uint8 else 1)
         sa.sparse_attention(q, kv[:b], torch.empty(b, S, W, **i32), pool[:b], torch.empty(b, S, K, **i32),
                             torch.empty(b, S, **i32), torch.empty(H, **f32), D**-0.5, config=cfg)
         take(name, n)
@@ -136,7 +137,7 @@ def test_fp8_kernel_fits_shared_memory(compiled, target, kernel):
     """Every FP8 kernel's launch config fits one program's shared memory (a kernel over it
     compiles but raises OutOfResources at launch). The FP8 reads' byte gathers are pipelined
     too: at D = 512 the bf16 attention config's 4 stages asked 240 KB on sm_90 (found on the
-    H200), so the FP8 attention config takes fewer, by ``attention_smem_bytes(..., fp8=True)``,
+    H200), so the FP8 attention config takes fewer, by ``attention_smem_bytes(..., fp8=FP8)``,
     which bounds what the compiler asks."""
     from dsv4_ops.lowering.triton import sparse_attention as sa
 
@@ -146,7 +147,7 @@ def test_fp8_kernel_fits_shared_memory(compiled, target, kernel):
     if kernel.startswith("fp8_attention") and not kernel.endswith("combine"):
         c = r["constexprs"]
         cfg = dict(BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], num_stages=r["num_stages"])
-        assert r["shared"] <= sa.attention_smem_bytes(cfg, 2, fp8=True), r
+        assert r["shared"] <= sa.attention_smem_bytes(cfg, 2, fp8=c["FP8"]), r
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
+import triton  # noqa: E402
+
 from dsv4_ops.reference import ops as ref  # noqa: E402
 
 
@@ -177,16 +179,25 @@ def test_attention_config_fits_shared_memory_for_every_dtype():
 
 
 def test_fp8_attention_config_fits_shared_memory_by_what_the_h200_asked():
-    """FP8 caches at V4 widths: the H200's JIT asked 240 KB for the bf16 config at 4 stages and
-    272 KB for fp32 at 2 (OutOfResources at launch, over 227 KB); the FP8 estimate bounds both,
-    and the config it picks fits (bf16: 2 stages, fp32: 1)."""
+    """FP8 caches at V4 widths. An FP8 pool with float window rows (mode 1, prefill): the H200's
+    JIT asked 240 KB for the session-8 kernel at bf16 x 4 stages and 272 KB at fp32 x 2
+    (OutOfResources at launch, over 227 KB); the estimate bounds both, and the config it picks
+    fits (bf16: 2 stages, fp32: 1). FP8 window and pool (mode 2, decode): 3 stages of the float
+    cache's 32-row blocks (the same blocking, so the same bf16 rounding), which ran there."""
     measured = {torch.bfloat16: (4, 245760), torch.float32: (2, 278528)}
     for dtype, (stages, asked) in measured.items():
         for S in (1, 64):
-            cfg = attn.attention_config(1, S, 64, 512, 128 + 512, dtype=dtype, fp8=True)
-            assert attn.attention_smem_bytes(dict(cfg, num_stages=stages), dtype.itemsize, fp8=True) >= asked
-            assert attn.attention_smem_bytes(cfg, dtype.itemsize, fp8=True) <= attn.SMEM_LIMIT["cuda"]
+            cfg = attn.attention_config(1, S, 64, 512, 128 + 512, dtype=dtype, fp8=1)
+            assert attn.attention_smem_bytes(dict(cfg, num_stages=stages), dtype.itemsize, fp8=1) >= asked
+            assert attn.attention_smem_bytes(cfg, dtype.itemsize, fp8=1) <= attn.SMEM_LIMIT["cuda"]
             assert cfg["num_stages"] == (2 if dtype == torch.bfloat16 else 1), cfg
+            cfg = attn.attention_config(64, S, 64, 512, 128 + 512, dtype=dtype, fp8=2)
+            assert attn.attention_smem_bytes(cfg, dtype.itemsize, fp8=2) <= attn.SMEM_LIMIT["cuda"]
+            assert (cfg["BLOCK_N"], cfg["num_stages"]) == (32, 3), cfg
+    # the decode modes: ROCm the integer decode, CUDA the PTX bit moves (the interpreter: the e4m3 type)
+    assert attn.attention_config(64, 1, 64, 512, 640, fp8=2, backend="hip")["E4M3_HW"] == 0
+    assert attn.attention_config(64, 1, 64, 512, 640, fp8=2, backend="cuda")["E4M3_HW"] == (
+        1 if triton.knobs.runtime.interpret else 4)
 
 
 @pytest.mark.parametrize("splits", [1, 3])

@@ -60,6 +60,63 @@ def test_codec_matches_torch_casts_bit_for_bit():
     assert torch.equal(dec, x.to(torch.float8_e4m3fn).float())
 
 
+@triton.jit
+def _decode_kernel(code_ptr, out_ptr, N, DT: tl.constexpr, HW: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    code = tl.load(code_ptr + offs, mask=offs < N, other=0)
+    tl.store(out_ptr + offs, codec.e4m3_to(code, DT, HW), mask=offs < N)
+
+
+# the decodes each target can run: the interpreter multiplies bf16 as raw bits, so the bit-move
+# decodes (3 a bf16 multiply, 4 PTX) run on a GPU only; ROCm's integer one (0) runs everywhere
+DECODES = [0, 1, 2, 3, 4] if CUDA else [0, 1]
+
+
+@pytest.mark.parametrize("hw", DECODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_every_e4m3_code_decodes_exactly(hw, dtype):
+    # all 256 codes but the two NaNs (never written), subnormals and -0 included
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].to(DEVICE)
+    out = torch.full(codes.shape, float("nan"), dtype=dtype, device=DEVICE)
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float16: tl.float16}[dtype]
+    _decode_kernel[(1,)](codes, out, codes.numel(), DT=tl_dtype, HW=hw, BLOCK=256)
+    want = codes.view(torch.float8_e4m3fn).to(dtype)
+    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@triton.jit
+def _entries_kernel(data_ptr, scale_ptr, out_ptr, n, NOPE, D, ENTRY: tl.constexpr, SB: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr, HW: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    live = offs_n < n
+    e = codec.load_kv_entries(data_ptr + offs_n * ENTRY, scale_ptr + offs_n * SB, live, NOPE, D, BLOCK_N, BLOCK_D,
+                              DT, HW)
+    offs_d = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + offs_n[:, None] * BLOCK_D + offs_d[None, :], e)
+
+
+@pytest.mark.parametrize("hw", DECODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_entries_read_as_the_reference_dequantises_them(hw, dtype):
+    # the attention's FP8 row reader: values scaled from 1e-4 to 1e3 (scales far apart, subnormal
+    # codes), every decode, the reference's values rounded to the dot dtype, bit for bit
+    torch.manual_seed(7)
+    n, D, rope = 9, 256, 64
+    lay = fp8.KVLayout(D, rope, n)
+    x = torch.randn(n, D, device=DEVICE) * torch.logspace(-4, 3, D, device=DEVICE)[torch.randperm(D, device=DEVICE)]
+    data, scales = fp8.quantize_kv(x, rope)
+    want = torch.zeros(16, D, dtype=dtype, device=DEVICE)
+    want[:n] = fp8.dequantize_kv(data, scales, lay).to(dtype)
+    out = torch.full((16, D), float("nan"), dtype=dtype, device=DEVICE)
+    tl_dtype = tl.bfloat16 if dtype == torch.bfloat16 else tl.float32
+    _entries_kernel[(1,)](data.contiguous(), scales.contiguous(), out, n, D - rope, D, ENTRY=lay.data_bytes,
+                          SB=lay.scale_bytes, BLOCK_N=16, BLOCK_D=D, DT=tl_dtype, HW=hw)
+    view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out.view(view), want.view(view))
+
+
 def _poisoned(shape):
     return torch.full(shape, 0xA5, dtype=torch.uint8, device=DEVICE)
 

@@ -98,30 +98,34 @@ def check(poison, scores, visible, topk, seg, **kw):
 # --------------------------------------------------------------------------------------
 # the rule (a pure function of sizes, no kernels)
 # --------------------------------------------------------------------------------------
-def test_split_is_chosen_only_for_few_long_rows_on_cuda():
+def test_split_is_chosen_where_the_h200_sweeps_found_it_faster():
     cfg = indexer.indexer_config
-    # batch-1 decode at 32K context (8258 pool entries, top-512): one row, 131 SMs idle
-    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 4096
-    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=1024, sms=132)["TOPK_SPLIT"] == 4096  # Pro's width
-    assert cfg(B=8, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 4096
-    assert cfg(B=1, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 4096  # 128K context
-    # past the rows the H200 sweep measured (8), or rows that fill the GPU (B * S >= sms): one
-    # program per row as before
-    assert indexer.TOPK_SPLIT_MAX_ROWS == 8
-    assert cfg(B=9, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
-    assert cfg(B=2, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 0
-    assert cfg(B=64, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
-    assert cfg(B=256, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
+    # the measured points (8192-8258 scores, top-512; sweep_kernels.py): 2048-entry segments at 1, 8,
+    # 16 rows; 4096 at 64 rows (2048 would take 256 programs, two waves); none at 128 rows
+    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 2048
+    assert cfg(B=8, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 2048
+    assert cfg(B=16, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_SPLIT"] == 2048
+    assert cfg(B=64, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_SPLIT"] == 4096
+    assert cfg(B=128, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_SPLIT"] == 0
+    # the shorter of the longer stage: 32K scores x top-512 in 4096-entry segments (8 x 512 candidates),
+    # not 2048 (a 8192-candidate merge); Pro's top-1024 at 32K context: 4096 (2048-entry segments would
+    # merge 5 x 1024 candidates)
+    assert cfg(B=1, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 4096
+    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=1024, sms=132)["TOPK_SPLIT"] == 4096
+    # 64 rows of 32K scores: 2 segments each (128 programs, one wave), not 8 (512)
+    assert cfg(B=8, S=8, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_SPLIT"] == 16384
+    # rows that fill the GPU, or one SM: one program per row
     assert cfg(B=132, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=2, S=66, HI=64, DI=128, N=8258, topk=512, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=512, sms=1)["TOPK_SPLIT"] == 0
     # ROCm keeps topk_kernel for every row
     assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=512, sms=304, backend="hip")["TOPK_SPLIT"] == 0
-    # rows of at most one segment: nothing to split
+    # rows of at most 4096 scores (never timed split), or of at most one segment: one program
     assert cfg(B=1, S=1, HI=64, DI=128, N=4096, topk=512, sms=132)["TOPK_SPLIT"] == 0
+    assert cfg(B=1, S=1, HI=64, DI=128, N=4097, topk=512, sms=132)["TOPK_SPLIT"] == 2048
     assert cfg(B=1, S=1, HI=64, DI=128, N=1090, topk=512, sms=132)["TOPK_SPLIT"] == 0
     # a segment that keeps all it reads, or candidates past a register row: no split
-    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=4096, sms=132)["TOPK_SPLIT"] == 0
+    assert cfg(B=1, S=1, HI=64, DI=128, N=8258, topk=16384, sms=132)["TOPK_SPLIT"] == 0
     assert cfg(B=1, S=1, HI=64, DI=128, N=4 << 20, topk=512, sms=132)["TOPK_SPLIT"] == 0
 
 
@@ -136,10 +140,10 @@ def test_split_config_forces_the_launches_on_and_off():
     rows, loop = indexer.topk_launches(scores, visible, topk, out, cfg)
     assert loop is None and [r.meta["STAGE"] for r in rows] == [1, 2]
     stage1, stage2 = rows
-    assert stage1.grid == (1, 3) and stage1.meta["ROW"] == stage1.meta["SEG"] == 4096
-    assert stage2.grid == (1,) and stage2.meta["ROW"] == 2048  # next_pow2(3 * 512) candidates
+    assert stage1.grid == (1, 5) and stage1.meta["ROW"] == stage1.meta["SEG"] == 2048
+    assert stage2.grid == (1,) and stage2.meta["ROW"] == 4096  # next_pow2(5 * 512) candidates
     cand_idx, cand_scores = stage1.args[2], stage1.args[3]
-    assert cand_idx.shape == cand_scores.shape == (1, 1, 3 * 512)
+    assert cand_idx.shape == cand_scores.shape == (1, 1, 5 * 512)
     assert cand_idx.dtype == I32 and cand_scores.dtype == torch.float32
     assert stage2.args[0] is cand_scores and stage2.args[2] is out and stage2.args[3] is cand_idx
     rows, loop = indexer.topk_launches(scores, visible, topk, out, dict(cfg, TOPK_SPLIT=0))

@@ -5,15 +5,30 @@ Why integers: a float -> e4m3 cast is not available on every target (gfx942 has 
 "fnuz" e4m3 variant) and the interpreter's bf16 cast need not round like the GPUs'; bit ops
 give the same bytes everywhere, which the layout tests check bit for bit against torch's casts.
 Decoding uses the fp16 trick (an e4m3 byte shifted into an fp16 bit pattern is the value
-times ``2^-8``, subnormals included), one integer op pair and a convert per value.
+times ``2^-8``, subnormals included), one integer op pair and a convert per value. The readers
+decode through ``e4m3_to`` (``E4M3_HW``, chosen by ``e4m3_hw``): that decode on ROCm, bit moves
+in PTX straight to bf16 on CUDA (no convert instruction), the e4m3 type's convert in the
+interpreter. Every decode is exact, and the tests check each against torch's cast.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-__all__ = ["scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "bf16_bits", "bf16_from_bytes", "store_kv_entry",
-           "bytes_of_words", "load_kv_entries", "word_aligned"]
+__all__ = ["e4m3_hw", "scale_exponent", "pow2", "e4m3_encode", "e4m3_decode", "e4m3_to", "bf16_bits",
+           "bf16_from_bytes", "store_kv_entry", "bytes_of_words", "load_kv_entries", "word_aligned"]
+
+
+def e4m3_hw(backend: str) -> int:
+    """The readers' ``E4M3_HW`` constexpr (``e4m3_to``'s decode) for a backend (``"cuda"`` /
+    ``"hip"``): ROCm 0, the integer decode (gfx942 has only the fnuz e4m3); the interpreter 1,
+    the e4m3 type's convert (it multiplies bf16 as raw bits, so no bf16 arithmetic); CUDA 4, bit
+    moves in PTX, the fastest on the H200 (B=64 x 32K, FP8 attention 58.8 us against 61.7 us
+    with the hardware convert and 62.9 us with the integer decode; indexer scores 38.6 / 43.2 /
+    51.5 us; BENCHMARKS.md, session 11)."""
+    if backend == "hip":
+        return 0
+    return 1 if triton.knobs.runtime.interpret else 4
 
 
 @triton.jit
@@ -60,6 +75,49 @@ def e4m3_decode(code):
     c = code.to(tl.int32)
     h = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.int16)
     return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _e4m3x4_bf16(code):
+    """``e4m3_to(code, bf16, 3)`` in PTX, four codes (one 32-bit register) at a time: a byte permute
+    puts each code in the low byte of a 16-bit lane with its sign replicated into the high byte,
+    a shift and a mask leave the sign at bit 15 and the 7 low bits at bits 4..10, and one
+    ``bf16x2`` multiply by ``2^120`` (0x7B80) scales two values. 4 instructions per two values."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, k;
+        mov.b32 k, 0x7B807B80;
+        prmt.b32 t0, $2, 0, 0x9180;
+        prmt.b32 t1, $2, 0, 0xB3A2;
+        shl.b32 t0, t0, 4;
+        shl.b32 t1, t1, 4;
+        and.b32 t0, t0, 0x87F087F0;
+        and.b32 t1, t1, 0x87F087F0;
+        mul.rn.bf16x2 $0, t0, k;
+        mul.rn.bf16x2 $1, t1, k;
+        }""",
+        constraints="=r,=r,r", args=[code], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_to(code, dtype: tl.constexpr, HW: tl.constexpr):
+    """Exact values of e4m3fn codes (any int type holding 0..255) in ``dtype`` (bf16, fp16 or
+    fp32 hold every e4m3 value). ``HW`` (``e4m3_hw``): 0 ``e4m3_decode``; 1, 2 the hardware
+    convert; 3 (bf16 only, else as 2) bit moves, no convert: sign to bit 15 and the 7 low bits
+    to bits 4..10 make the bf16 whose value is the code's times ``2^-120`` (an e4m3 subnormal
+    lands on a bf16 subnormal), and one bf16 multiply by ``2^120`` (exact: bf16 multiplies keep
+    subnormals) restores it; 4 (bf16 only, CUDA) the same in PTX, four codes at a time. On sm_90
+    the hardware convert costs an F2F per value, on the conversion pipe."""
+    if HW == 4 and dtype == tl.bfloat16:
+        return _e4m3x4_bf16(code.to(tl.uint8))
+    elif HW == 3 and dtype == tl.bfloat16:
+        c = code.to(tl.int16)
+        bits = ((c & 0x80) << 8) | ((c & 0x7F) << 4)
+        return bits.to(tl.bfloat16, bitcast=True) * tl.full([], 2.0**120, tl.bfloat16)
+    elif HW:
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(dtype)
+    else:
+        return e4m3_decode(code).to(dtype)
 
 
 @triton.jit
@@ -119,30 +177,45 @@ def bytes_of_words(words):
 
 
 @triton.jit
-def load_kv_entries(data, scales, live, NOPE, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """fp32 ``[BLOCK_N, BLOCK_D]`` values of the FP8 KV entries whose data / scale bytes start at
-    ``data`` / ``scales [BLOCK_N]`` (lanes not ``live``: zeros; channels past ``D``: zeros).
+def load_kv_entries(data, scales, live, NOPE, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    dtype: tl.constexpr, HW: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` values in ``dtype`` of the FP8 KV entries whose data / scale bytes
+    start at ``data`` / ``scales [BLOCK_N]`` (lanes not ``live``: zeros; channels past ``D``: zeros).
 
     Needs ``NOPE % 64 == 0``, ``D - NOPE <= 64`` (the rope fits one 64-channel block) and 4-byte
     aligned entries (the launcher checks). Three gathers per entry instead of four per channel:
-    the e4m3 codes as 32-bit words, split into bytes in registers; the ue8m0 scales once per 64
-    channels, broadcast over their block; the rope as whole bf16 values, broadcast into its block.
-    Fewer, wider loads keep less in flight (sm_90: no spills at D = 512; the per-channel gathers
-    spilled 880 B)."""
+    the e4m3 codes as whole rows (``HW``: bytes, which the compiler vectorises; else 32-bit words
+    split into bytes in registers); the ue8m0 scales once per 64 channels, broadcast over their
+    block; the rope as whole bf16 values, broadcast into its block. Fewer, wider loads keep less
+    in flight (sm_90: no spills at D = 512; the per-channel gathers spilled 880 B).
+
+    ``HW`` (``e4m3_hw``, a target with the e4m3 type): bf16 rows are decoded by ``e4m3_to``
+    straight to bf16 and scaled there (the interpreter, ``HW == 1``, scales in fp32: it
+    multiplies bf16 as raw bits). A power-of-two scale times a value with at most 4 significant
+    bits is exact in bf16, so the values are the fp32 path's (``e4m3_decode`` x ``pow2`` in
+    fp32, rounded to ``dtype``) bit for bit, with no fp32 step."""
     NB: tl.constexpr = BLOCK_D // 64
     blk = tl.arange(0, NB)
-    wi = tl.arange(0, 16)
     r = tl.arange(0, 64)
     nope_blk = live[:, None] & (blk < NOPE // 64)[None, :]  # [BLOCK_N, NB]
-    words = tl.load(data.to(tl.pointer_type(tl.int32))[:, None, None] + (blk[:, None] * 16 + wi[None, :])[None, :, :],
-                    mask=nope_blk[:, :, None], other=0)  # [BLOCK_N, NB, 16]: 4 codes each, little-endian
-    codes = tl.reshape(bytes_of_words(words), (BLOCK_N, NB, 64))
+    col = (blk[:, None] * 64 + r[None, :])[None, :, :]  # [1, NB, 64]
     sc = tl.load(scales[:, None] + blk[None, :], mask=nope_blk, other=127)  # [BLOCK_N, NB]
     rope_bits = tl.load((data + NOPE).to(tl.pointer_type(tl.uint16))[:, None] + r[None, :],
                         mask=live[:, None] & (r < D - NOPE)[None, :], other=0)  # [BLOCK_N, 64]
-    rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    col = (blk[:, None] * 64 + r[None, :])[None, :, :]  # [1, NB, 64]
-    nope = e4m3_decode(codes) * pow2(sc)[:, :, None]
+    rope = rope_bits.to(tl.bfloat16, bitcast=True).to(dtype)
+    if HW:
+        codes = tl.load(data[:, None, None] + col, mask=nope_blk[:, :, None], other=0)  # [BLOCK_N, NB, 64] uint8
+        if HW >= 2 and dtype == tl.bfloat16:
+            nope = e4m3_to(codes, dtype, HW) * pow2(sc).to(dtype)[:, :, None]
+        else:  # fp32 / fp16 rows (a scale need not fit fp16), or the interpreter (bf16 products as raw bits)
+            nope = (e4m3_to(codes, tl.float32, HW) * pow2(sc)[:, :, None]).to(dtype)
+    else:
+        wi = tl.arange(0, 16)
+        word = (blk[:, None] * 16 + wi[None, :])[None, :, :]
+        words = tl.load(data.to(tl.pointer_type(tl.int32))[:, None, None] + word,
+                        mask=nope_blk[:, :, None], other=0)  # [BLOCK_N, NB, 16]: 4 codes each, little-endian
+        codes = tl.reshape(bytes_of_words(words), (BLOCK_N, NB, 64))
+        nope = (e4m3_decode(codes) * pow2(sc)[:, :, None]).to(dtype)
     rope3 = tl.broadcast_to(rope[:, None, :], (BLOCK_N, NB, 64))  # rope channel NOPE + r sits at lane r
-    e = tl.where(col < NOPE, nope, tl.where(col < D, rope3, 0.0))
+    e = tl.where(col < NOPE, nope, tl.where(col < D, rope3, tl.zeros_like(rope3)))
     return tl.reshape(e, (BLOCK_N, BLOCK_D))

@@ -41,12 +41,12 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bytes_of_words, e4m3_decode, word_aligned
+from .fp8_codec import bytes_of_words, e4m3_hw, e4m3_to, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
-           "topk_row_kernel", "indexer_config", "indexer_launches", "scores_launch", "topk_launches",
-           "IndexerLaunches"]
+           "topk_row_kernel", "indexer_config", "topk_segment", "indexer_launches", "scores_launch",
+           "topk_launches", "IndexerLaunches"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -60,9 +60,9 @@ def indexer_scores_kernel(
     sk_b, sk_n, sk_d,
     sv_b, sv_s,
     so_b, so_s, so_n,
-    KEY_PAGE,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, E4M3_HW: tl.constexpr,
+    KEY_PAGE: tl.constexpr,  # FP8 keys a page: static, so the page arithmetic is shifts
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)  # chunk of CHUNK entries
@@ -91,15 +91,19 @@ def indexer_scores_kernel(
             offs_n = start + tl.arange(0, BLOCK_N)
             live = offs_n < live_hi
             if KEYS_FP8:  # page of entry n: DI code bytes at t * DI, fp32 scale in the footer
-                n64 = offs_n.to(tl.int64)
-                pbase = key_row0 + (n64 // KEY_PAGE) * sk_n
-                t = n64 % KEY_PAGE
+                pbase = key_row0 + (offs_n // KEY_PAGE).to(tl.int64) * sk_n
+                t = offs_n % KEY_PAGE
                 sp = pbase + KEY_PAGE * DI + t * 4
-                if KEYS_FP8 == 2:  # 4-byte aligned: codes as words, the scale as one fp32
-                    wd = tl.arange(0, BLOCK_DI // 4)
-                    words = tl.load((pbase + t * DI).to(tl.pointer_type(tl.int32))[:, None] + wd[None, :],
-                                    mask=live[:, None] & (wd < DI // 4)[None, :], other=0)
-                    code = tl.reshape(bytes_of_words(words), (BLOCK_N, BLOCK_DI))
+                if KEYS_FP8 == 2:  # 4-byte aligned: the scale as one fp32, codes as words (or HW: as bytes,
+                    #                which the compiler vectorises)
+                    if E4M3_HW:
+                        code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
+                                       mask=live[:, None] & d_mask[None, :], other=0)
+                    else:
+                        wd = tl.arange(0, BLOCK_DI // 4)
+                        words = tl.load((pbase + t * DI).to(tl.pointer_type(tl.int32))[:, None] + wd[None, :],
+                                        mask=live[:, None] & (wd < DI // 4)[None, :], other=0)
+                        code = tl.reshape(bytes_of_words(words), (BLOCK_N, BLOCK_DI))
                     kscale = tl.load(sp.to(tl.pointer_type(tl.float32)), mask=live, other=0.0)
                 else:  # any layout: a byte per lane
                     code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
@@ -109,7 +113,9 @@ def indexer_scores_kernel(
                              | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
                              | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
                     kscale = sbits.to(tl.float32, bitcast=True)
-                keys = (e4m3_decode(code) * kscale[:, None]).to(q_t.dtype)
+                # the key's scale is a power of two: the dot of its codes times the scale (after the
+                # relu and the head sum) is the dot of the dequantised key, bit for bit
+                keys = e4m3_to(code, q_t.dtype, E4M3_HW)
             else:
                 keys = tl.load(
                     key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
@@ -120,6 +126,8 @@ def indexer_scores_kernel(
             else:
                 dots = tl.dot(keys, q_t, input_precision="ieee")
             scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
+            if KEYS_FP8:
+                scores = scores * kscale
             tl.store(out_row + offs_n * so_n, tl.where(live, scores, float("-inf")), mask=offs_n < hi)
     # the blocks the scoring loop did not write
     dead_lo = lo + tl.cdiv(tl.maximum(live_hi - lo, 0), BLOCK_N) * BLOCK_N
@@ -328,10 +336,33 @@ def topk_row_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-# The split top-k's rows at most: the H200 sweep over 8258 scores (sweep_kernels.py, session 10) found it
-# fastest at 1 and 8 rows; at 64 rows (64 programs already busy) the row kernel was tuned and the split not
-# timed, so wider batches keep the row kernel until a sweep says otherwise.
-TOPK_SPLIT_MAX_ROWS = 8
+# Segment lengths the split top-k may cut a row into (powers of two): the H200 sweeps over 8192-8258
+# scores (sweep_kernels.py, sessions 10-11) found 2048 best at 1, 8 and 16 rows and 4096 at 64 rows
+# (2048 would not fit one wave), and no split best at 128 rows (nothing fits one wave).
+TOPK_SEGMENTS = (2048, 4096, 8192, 16384)
+# Rows of at most this many scores (16K context) keep one program: the split was never timed there.
+TOPK_SPLIT_MIN_SCORES = 4096
+
+
+def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
+    """The split top-k's segment for ``rows`` rows of ``N`` scores (0: one program per row).
+
+    Both stages in one wave (``rows * cdiv(N, seg) <= sms`` stage-1 programs), a segment longer
+    than the picks it keeps (``topk < seg``), shorter than the row, and a merge row that fits
+    the row kernel (``cdiv(N, seg) * topk <= row_limit``); among those the segment whose longer
+    stage row (``max(seg, cdiv(N, seg) * topk)``) is shortest, the shorter segment on a tie.
+    Rows of at most ``TOPK_SPLIT_MIN_SCORES`` are never split."""
+    best, best_len = 0, None
+    if N <= TOPK_SPLIT_MIN_SCORES:
+        return 0
+    for seg in TOPK_SEGMENTS:
+        parts = -(-N // seg)
+        if seg >= N or topk >= seg or rows * parts > sms or parts * topk > row_limit:
+            continue
+        longer = max(seg, parts * topk)
+        if best_len is None or longer < best_len:
+            best, best_len = seg, longer
+    return best
 
 
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
@@ -353,10 +384,8 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     one row on one SM of 132), and that one program's time grows with the row (its register
     row, its digit passes). So a row of ``N > SEG`` scores is cut in ``cdiv(N, SEG)`` segments
     of one program each (stage 1: each segment's top-k), and one program per row merges their
-    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA when ``B * S`` is at most
-    ``TOPK_SPLIT_MAX_ROWS`` (the rows measured) and below ``sms``, ``N > SEG``, ``topk < SEG``
-    (a segment keeps fewer entries than it reads) and the candidates fit a row-kernel row
-    (``<= TOPK_ROW``).
+    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA by :func:`topk_segment`
+    (one wave of stage-1 programs, the shortest longer stage).
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware.
@@ -365,14 +394,12 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     per_program = -(-(B * S * N) // (2 * sms))
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     topk_row = 0 if backend == "hip" else 32768
-    seg = 4096
-    rows = B * S
-    split = (backend == "cuda" and rows <= TOPK_SPLIT_MAX_ROWS and rows < sms and seg < N and topk < seg
-             and -(-N // seg) * topk <= topk_row)
+    seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
-                TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg if split else 0,
-                row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)))
+                TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg,
+                row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)),
+                E4M3_HW=e4m3_hw(backend))
 
 
 def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
@@ -397,10 +424,11 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
         key_args, page = (keys, *keys.stride()), 1
     args = (q, weights, key_args[0], visible, out,
             S, HI, N,
-            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), page)
+            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride())
     return out, Launch((B * S, -(-N // cfg["CHUNK"])), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
                             CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
+                            E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page,
                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bf16_from_bytes, e4m3_decode, load_kv_entries, pow2, word_aligned
+from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
@@ -112,9 +112,12 @@ def sparse_attention_kernel(
     sci_b, sci_s, sci_k,
     scl_b, scl_s,
     so_b, so_s, so_h, so_d,
-    KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, FP8_WORDS: tl.constexpr,
+    E4M3_HW: tl.constexpr,
+    # the FP8 layout, static so that the page arithmetic is shifts and the row loads' alignment known
+    KV_PAGE: tl.constexpr, CMP_PAGE: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query token b * S + s
     pid_h = tl.program_id(1)  # head block
@@ -173,20 +176,22 @@ def sparse_attention_kernel(
             in_w = v < W
             valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, N_CMP))
             idx64 = idx.to(tl.int64)
-            # FP8 lanes: page base, slot in page, page size (window lanes too when FP8 == 2)
+            # FP8 lanes: page base, slot in page, footer (window lanes too when FP8 == 2)
             if FP8 == 2:
                 lane8 = valid
-                page = tl.where(in_w, KV_PAGE, CMP_PAGE)
-                pbase = tl.where(in_w, kv_row0 + (idx64 // KV_PAGE) * skv_n, cmp_row0 + (idx64 // CMP_PAGE) * sc_n)
+                t = tl.where(in_w, idx % KV_PAGE, idx % CMP_PAGE)
+                pbase = tl.where(in_w, kv_row0 + (idx // KV_PAGE).to(tl.int64) * skv_n,
+                                 cmp_row0 + (idx // CMP_PAGE).to(tl.int64) * sc_n)
+                footer = tl.where(in_w, KV_PAGE * DATA_BYTES, CMP_PAGE * DATA_BYTES)
             else:
                 lane8 = valid & (v >= W)
-                page = CMP_PAGE
-                pbase = cmp_row0 + (idx64 // CMP_PAGE) * sc_n
-            t = idx64 % page
+                t = idx % CMP_PAGE
+                pbase = cmp_row0 + (idx // CMP_PAGE).to(tl.int64) * sc_n
+                footer = CMP_PAGE * DATA_BYTES
             data = pbase + t * DATA_BYTES
-            scl = pbase + page * DATA_BYTES + t * SCALE_BYTES
-            if FP8_WORDS:  # word-wide codes, one scale per block, whole rope values
-                e = load_kv_entries(data, scl, lane8, NOPE, D, BLOCK_N, BLOCK_D)
+            scl = pbase + footer + t * SCALE_BYTES
+            if FP8_WORDS:  # whole-row codes, one scale per block, whole rope values
+                e = load_kv_entries(data, scl, lane8, NOPE, D, BLOCK_N, BLOCK_D, q.dtype, E4M3_HW)
             else:  # any layout: four byte gathers per channel
                 is_nope = offs_d < NOPE
                 is_rope = (offs_d >= NOPE) & d_mask
@@ -197,12 +202,12 @@ def sparse_attention_kernel(
                 rb = data[:, None] + (NOPE + 2 * (offs_d - NOPE))[None, :]
                 rope_lo = tl.load(rb, mask=m_rope, other=0)
                 rope_hi = tl.load(rb + 1, mask=m_rope, other=0)
-                e = tl.where(is_nope[None, :], e4m3_decode(code) * pow2(sc), bf16_from_bytes(rope_lo, rope_hi))
+                e = tl.where(is_nope[None, :], e4m3_to(code, tl.float32, E4M3_HW) * pow2(sc),
+                             bf16_from_bytes(rope_lo, rope_hi)).to(q.dtype)
             if FP8 == 1:  # window lanes from the float source (concat mode)
                 ew = tl.load(kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
-                             mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                             mask=(valid & in_w)[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
                 e = tl.where(in_w[:, None], ew, e)
-            e = e.to(q.dtype)
         m_i, l_i, acc = _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT)
 
     if NUM_SPLITS == 1:
@@ -270,37 +275,45 @@ _MAX_SPLITS = 16
 SMEM_LIMIT = {"cuda": 232448, "hip": 65536}
 
 
-def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: bool = False) -> int:
+def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: int = 0) -> int:
     """Upper estimate of ``sparse_attention_kernel``'s shared memory: the q tile plus
     ``num_stages`` blocks of entry rows (exact for the bf16 wgmma configs on sm_90).
 
-    An FP8 cache's rows are four pipelined byte gathers per element (code, its scale byte, the
-    two bytes of a rope value) and a decode to ``elem_bytes``; what the JIT asks on the H200 at
-    D = 512 (its pointers specialised; a cross-compile asks less) is bounded by ``elem_bytes +
-    2.5`` bytes per row element and stage: measured 240 KB for bf16 x 4 stages (estimate 352 KB)
-    and 272 KB for fp32 x 2 (estimate 272 KB), both over sm_90's 227 KB at launch."""
+    ``fp8`` is the kernel's ``FP8`` mode (1: an FP8 pool with float window rows, 2: FP8 window
+    and pool). An FP8 row block stages its codes, rope and scales, 1.25 bytes a row element,
+    and mode 1 the float window rows too; the decoded block is one more row block of the dot
+    dtype. The sm_90 compiles at D = 512 (bf16 / fp32, modes 1 / 2, 2-4 stages) ask 16-82 KB
+    less; the H200's JIT asked 240 KB of the session-8 kernel at bf16, mode 1, 4 stages
+    (estimate 304 KB)."""
+    q = elem_bytes * cfg["BLOCK_H"] * cfg["BLOCK_D"]
+    block = cfg["BLOCK_N"] * cfg["BLOCK_D"]
     if fp8:
-        rows = cfg["BLOCK_N"] * cfg["BLOCK_D"] * cfg["num_stages"] * (2 * elem_bytes + 5) // 2
-        return elem_bytes * cfg["BLOCK_H"] * cfg["BLOCK_D"] + rows
+        per_stage = block * 5 // 4 + (block * elem_bytes if fp8 == 1 else 0)
+        return q + cfg["num_stages"] * per_stage + block * elem_bytes
     return elem_bytes * cfg["BLOCK_D"] * (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_N"])
 
 
 def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int = 132,
                      num_splits: int | None = None, backend: str = "cuda",
-                     dtype: torch.dtype = torch.bfloat16, fp8: bool = False) -> dict:
+                     dtype: torch.dtype = torch.bfloat16, fp8: int = 0) -> dict:
     """Block sizes, warps, stages and split count: a pure function of static sizes.
 
     ``max_entries`` is the static length of a query's entry list the split rule plans for
     (the launcher uses ``W + K`` for CSA (``K > 0``) and ``W + Nc`` otherwise).
     ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows
-    (the queries' for an FP8 cache, ``fp8=True``, whose rows are decoded to it).
+    (the queries' for an FP8 cache, ``fp8`` 1 or 2, whose rows are decoded to it).
 
     D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages: wgmma,
     no spills, ~197 KB shared, so one program per SM (the fastest of the H200 sweep);
     gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the largest tile that
     compiles without VGPR/SGPR spills. 4-byte dtypes (fp32) take half the heads per program,
     since their IEEE dots run on FMA units with the operands in registers, and as many stages
-    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2), as do FP8 caches (2).
+    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2). FP8 caches (``fp8``:
+    the kernel's ``FP8`` mode, 1 or 2) on CUDA take 3 stages where they fit (the H200 sweep at
+    B=64 x 32K, CSA: 58.2 us at 32 x 3, 59.0 at 32 x 4, 61.9 at 32 x 2). ``BLOCK_N=64`` x 2
+    stages measured faster (51.2 us; B=128: 81.7 against 98.1 us) but is not the default: the
+    float cache's 32-row blocks then round differently in bf16, and the FP8-vs-simulated-FP8
+    model test at V4 widths measured 0.0248 against its 0.02 bound (BENCHMARKS.md, session 11).
 
     Split-KV: since one program fills an SM, the programs should make one full wave:
     the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms``, with at most
@@ -314,12 +327,15 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
         block_n = 16 if hip else 32
         num_warps = 8 if (not hip and block_h * block_d >= 32 * 512) else 4
         num_stages = 1 if hip else 4
+        if fp8 and not hip:  # FP8 rows stage fewer bytes: 3 stages (the H200 sweep: 3 beat 2, 4 no better)
+            num_stages = 3
     else:
         block_h = min(max(16, next_pow2(H)), 64)
         block_n = 32 if hip else 64
         num_warps = 4
         num_stages = 1 if hip else 2
-    cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+    cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages,
+               E4M3_HW=e4m3_hw(backend))
     while cfg["num_stages"] > 1 and attention_smem_bytes(cfg, elem_bytes, fp8) > SMEM_LIMIT[backend]:
         cfg["num_stages"] -= 1
     head_blocks = -(-H // block_h)
@@ -386,7 +402,7 @@ def attention_launches(
         max_entries = W + (K if K > 0 else N_CMP)
     wide = q.dtype if fp8 or q.element_size() >= kv.element_size() else kv.dtype
     cfg = dict(config) if config is not None else attention_config(
-        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide, fp8=bool(fp8))
+        B, S, H, D, max_entries, sm_count(q.device), num_splits, backend(), wide, fp8=fp8)
     if num_splits is not None:
         cfg["NUM_SPLITS"] = num_splits
     splits = cfg["NUM_SPLITS"]
@@ -411,10 +427,11 @@ def attention_launches(
          float(scale) * _LOG2E,
          S, H, N_KV, N_CMP, W, K,
          *q.stride(), *_row_strides(kv), *kv_idx.stride(), *_row_strides(cmp), *cmp_idx.stride(),
-         *cmp_len.stride(), *out.stride(),
-         page_kv, page_cmp, nope, data_bytes, scale_bytes),
-        dict(D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+         *cmp_len.stride(), *out.stride()),
+        dict(KV_PAGE=page_kv, CMP_PAGE=page_cmp, NOPE=nope, DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes,
+             D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
              NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, FP8=fp8, FP8_WORDS=fp8_words if fp8 else 0,
+             E4M3_HW=cfg.get("E4M3_HW", e4m3_hw(backend())) if fp8 else 0,
              num_warps=cfg["num_warps"],
              num_stages=cfg["num_stages"]),
     )
