@@ -1,0 +1,300 @@
+"""Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1): a prototype.
+
+Same contract and launch split as ``lowering.triton.sparse_attention`` (one program per token
+and split, the virtual entry list window | picked | dense prefix, sink folded at the end, the
+fp32 partials merged by its ``combine_kernel``). What differs is what ``tl`` cannot say:
+
+- The scores ``q[64, 512] @ rows[BLOCK_N, 512]^T`` use an MMA layout with warps ``[4, 2]``, so
+  each of the two warpgroups computes its own ``BLOCK_N / 2`` columns. Triton's ``tl.dot``
+  gives a dot that feeds another dot warps ``[8, 1]``: both warpgroups computed the same
+  scores, re-reading q from shared memory twice as often (BENCHMARKS.md, design notes).
+- q is staged once in shared memory (the wgmma A operand); rows are gathered by ``cp.async``
+  into a ring of ``NUM_STAGES`` swizzled buffers that both dots read in place (``E^T`` for the
+  scores is a permuted view). Masked lanes are zero-filled by cp.async (src-size 0).
+- P goes through a small shared buffer to ``acc[64, 512] += P @ rows``; each warpgroup owns
+  256 output columns (128 fp32 registers a thread).
+- Few CTA barriers a block (3 in the PTX, one of them Triton's after the cp.async wait; a
+  plain row max and row sum across the warpgroups cost 2 each): the row max is exchanged as
+  per-warpgroup maxima through shared memory, the row sum is kept per score column and
+  reduced once at the end, and P @ rows stays in flight until the next block's scores.
+
+Ordering: cp.async writes and plain shared stores are generic-proxy writes that wgmma (async
+proxy) reads, hence ``fence_async_shared`` by the writing threads and then a CTA barrier
+before a wgmma reads them. Cross-compiled only (tests/test_gluon_cross_compile.py); not yet
+run on a GPU (benchmarks/gluon_attention_check.py is the check).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
+                                                             warpgroup_mma_wait)
+
+from ..triton._launch import sm_count
+from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
+
+__all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel", "gluon_launch", "NUM_WARPS"]
+
+NUM_WARPS = 8  # two warpgroups: the layouts below assume it
+BLOCK_H, HEAD_DIM = 64, 512
+
+
+@gluon.jit
+def _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
+    """Row index of virtual entries ``v``: window (kv_idx), picked (cmp_idx), dense prefix."""
+    in_w = v < W
+    in_k = (v >= W) & (v < W + K)
+    wi = gl.load(widx_row + v * swi_w, mask=in_w, other=-1)
+    ci = gl.load(cidx_row + (v - W) * sci_k, mask=in_k, other=-1)
+    return gl.where(in_w, wi, gl.where(in_k, ci, v - W - K))
+
+
+@gluon.jit
+def _issue_rows(buf, bias_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, offs_d):
+    """cp.async the rows of entries ``v`` into ``buf`` (invalid lanes: zeros, no memory read)
+    and store their score bias (0 or -inf) into ``bias_buf``."""
+    in_w = v < W
+    valid = (v < hi) & (idx >= 0) & (idx < gl.where(in_w, N_KV, N_CMP))
+    idx64 = gl.where(valid, idx, 0).to(gl.int64)
+    row = gl.where(in_w, kv_row0 + idx64 * skv_n, cmp_row0 + idx64 * sc_n)
+    cp.async_copy_global_to_shared(buf, row[:, None] + offs_d[None, :], mask=valid[:, None])
+    bias_buf.store(gl.where(valid, 0.0, float("-inf")))
+
+
+@gluon.jit
+def sparse_attention_gluon_kernel(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    N_KV, N_CMP, W, K,
+    sq_b, sq_h,
+    skv_b, skv_n,
+    swi_b, swi_w,
+    sc_b, sc_n,
+    sci_b, sci_k,
+    scl_b,
+    so_b, so_h,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    gl.static_assert(NUM_STAGES >= 2)
+    pid_t = gl.program_id(0)  # query token b (S = 1)
+    pid_sp = gl.program_id(1)  # split of the entry list
+    scale_log2e = scale_log2e.to(gl.float32)
+    b = pid_t.to(gl.int64)
+
+    # gathers: a warp reads 512 contiguous bytes of a row, 16 B (one cp.async) per thread
+    gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, gather_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, gather_l)
+    # scores: warpgroup w computes columns [w * BLOCK_N / 2, (w + 1) * BLOCK_N / 2)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    # output: warpgroup w owns channels [w * D / 2, (w + 1) * D / 2)
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, D // 2, 16])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    red_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    # the score rows: 16 a warp (rows 16 w .. of warp w of each warpgroup), 8 a lane quad, 2
+    # registers a thread (r, r + 8); the same in both warpgroups (wgmma's accumulator layout)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    # [BLOCK_H, 2] per-warpgroup maxima, both in every thread that holds the row: reducing
+    # axis 1 is then thread-local and lands in row_l
+    pair_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
+    bias_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    offs_d = gl.arange(0, D, layout=cols_l)
+    offs_hq = gl.arange(0, BLOCK_H, layout=rows_l)
+    q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
+    bias_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
+
+    clen = gl.load(cmp_len_ptr + b * scl_b)
+    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
+    total = W + K + clen
+    if NUM_SPLITS > 1:
+        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = pid_sp * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = 0
+        hi = total
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    kv_row0 = kv_ptr + b * skv_b
+    cmp_row0 = cmp_ptr + b * sc_b
+    widx_row = kv_idx_ptr + b * swi_b
+    cidx_row = cmp_idx_ptr + b * sci_b
+
+    # prologue: NUM_STAGES - 1 blocks in flight (blocks past hi are all-masked: no traffic)
+    v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
+    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    for st in gl.static_range(NUM_STAGES - 1):
+        _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+        cp.commit_group()
+        v = v + BLOCK_N
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block 0 landed
+    fence_async_shared()  # ... and are visible to wgmma (async proxy)
+    gl.thread_barrier()  # ... every thread's
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    # l per score column, summed once at the end: a row sum per block would cross the
+    # warpgroups (two more barriers a block); alpha is the same for every column of a row
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    # P @ rows is left in flight into the next block: it then runs back to back with that
+    # block's scores wgmma, both waited for together
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    # Two barriers a block. B1 (row max exchange): every warpgroup has waited for block j - 1's
+    # P @ rows, so its ring slot may be refilled and P rewritten. B2 (P written): also
+    # publishes block j + 1's rows, waited for and fenced by each thread just before.
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        e = ring.index(slot)
+        s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
+        s, acc = warpgroup_mma_wait(0, deps=[s, acc])
+        logits = s * scale_log2e + bias[None, :]
+        # row max of this warpgroup's columns ([BLOCK_H, 2]: axis 1 is the warpgroup, so the
+        # reduction stays within warps), exchanged through shared memory
+        m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+        red_smem.store(m_wg)
+        gl.thread_barrier()  # B1
+        m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
+        # refill the slot of block j - 1 with block j + NUM_STAGES - 1
+        nxt = (j + NUM_STAGES - 1) % NUM_STAGES
+        _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+        cp.commit_group()
+        v = v + BLOCK_N
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+
+        m_new = gl.maximum(m_i, m_blk)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
+        fence_async_shared()  # P and those rows visible to wgmma
+        gl.thread_barrier()  # B2
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
+        acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    cp.wait_group(0)  # no copy may outlive the program's shared memory
+    l_i = gl.sum(l_i, 1)
+
+    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    if NUM_SPLITS == 1:
+        offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(m_i, sink)
+        alpha = gl.exp2(m_i - m_f)
+        denom = l_i * alpha + gl.exp2(sink - m_f)
+        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
+        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+    else:
+        H: gl.constexpr = BLOCK_H
+        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * H
+        offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+        gl.store(part_m_ptr + row + offs_hs, m_i)
+        gl.store(part_l_ptr + row + offs_hs, l_i)
+        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+
+
+def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
+                 block_n: int = 32, num_stages: int = 4) -> dict:
+    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes."""
+    cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
+    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"])
+
+
+def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
+    """ValueError naming the argument outside the one case this kernel serves."""
+    if q.dim() != 4:
+        raise ValueError(f"sparse_attention_gluon: q must be [B, S, H, D], got {tuple(q.shape)}")
+    B, S, H, D = q.shape
+    for name, t in (("q", q), ("kv", kv), ("cmp", cmp)):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"sparse_attention_gluon: {name} must be bf16, got {t.dtype}")
+        if t.dim() != (4 if name == "q" else 3):
+            raise ValueError(f"sparse_attention_gluon: {name} has {t.dim()} dims (FP8 paged caches unsupported)")
+    if H != BLOCK_H:
+        raise ValueError(f"sparse_attention_gluon: H (q.shape[2]) must be {BLOCK_H}, got {H}")
+    if D != HEAD_DIM or kv.shape[-1] != D or cmp.shape[-1] != D:
+        raise ValueError(f"sparse_attention_gluon: D must be {HEAD_DIM}, got q {D}, kv {kv.shape[-1]}, cmp {cmp.shape[-1]}")
+    if S != 1:
+        raise ValueError(f"sparse_attention_gluon: S (q.shape[1]) must be 1 (decode), got {S}")
+    for name, t in (("kv_idx", kv_idx), ("cmp_idx", cmp_idx), ("cmp_len", cmp_len)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"sparse_attention_gluon: {name} must be int32, got {t.dtype}")
+    if kv_idx.shape[-1] == 0 or cmp_idx.shape[-1] == 0 or kv.shape[1] == 0 or cmp.shape[1] == 0:
+        raise ValueError("sparse_attention_gluon: kv_idx, cmp_idx, kv and cmp must be non-empty")
+    if sink.numel() != H:
+        raise ValueError(f"sparse_attention_gluon: sink must have {H} entries, got {sink.numel()}")
+
+
+def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=32, num_stages=4,
+                 out=None):
+    """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
+    ``combine_kernel``; the cross-compile test compiles these without a GPU."""
+    _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
+    B, _, H, D = q.shape
+    q, kv, cmp = (_lastdim_contiguous(t) for t in (q, kv, cmp))
+    sink = sink.contiguous()
+    W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
+    cfg = gluon_config(B, W + K, sm_count(q.device), num_splits, block_n, num_stages)
+    splits = cfg["NUM_SPLITS"]
+    if out is None:
+        out = torch.empty_like(q)
+    if splits > 1:
+        part_m = torch.empty((B, splits, H), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((B, splits, H, D), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    if out.stride(-1) != 1:
+        raise ValueError("sparse_attention_gluon: out must be contiguous in its last dim")
+    args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, float(scale) * _LOG2E,
+            kv.shape[1], cmp.shape[1], W, K,
+            q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), kv_idx.stride(0), kv_idx.stride(2),
+            cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
+            out.stride(0), out.stride(2))
+    meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
+                num_warps=NUM_WARPS)
+    launches = [(sparse_attention_gluon_kernel, (B, splits), args, meta)]
+    if splits > 1:
+        block_h_c, block_d_c = 16, 128
+        launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
+                         (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
+                         dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4)))
+    return out, launches
+
+
+def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
+                           block_n=32, num_stages=4, out=None) -> torch.Tensor:
+    """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
+    (H = 64, D = 512, S = 1, float caches); ValueError for anything else."""
+    out, launches = gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,
+                                 num_stages, out)
+    for kernel, grid, args, meta in launches:
+        kernel[grid](*args, **meta)
+    return out

@@ -1,0 +1,162 @@
+"""The Gluon decode-attention prototype (``lowering/gluon/sparse_attention.py``) compiles for
+sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
+splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
+and the point of the kernel -- each warpgroup computes its own half of the scores.
+
+The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
+``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
+constants, ints divisible by 16 marked so). Like ``test_triton_cross_compile.py``, the compiles
+run in a subprocess without ``TRITON_INTERPRET``.
+"""
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from compiled_worker import run_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
+CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2), "split1_n64": dict(num_splits=1, block_n=64,
+                                                                                          num_stages=2)}
+SMEM_LIMIT = 232448
+
+
+def _source(kernel, args, meta, gluon):
+    import torch
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    dtypes = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+    constexprs = {k: v for k, v in meta.items() if k != "num_warps"}
+    signature, attrs = {}, {}
+    for i, (name, v) in enumerate(zip(kernel.arg_names, args + (None,) * len(kernel.arg_names))):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + dtypes[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            signature[name] = "fp32"  # the JIT's type for a Python float
+        elif isinstance(v, int) and v == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        elif isinstance(v, int):
+            signature[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise TypeError(f"{name}: {type(v)}")
+    cls = GluonASTSource if gluon else triton.compiler.ASTSource
+    return cls(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _resources(compiled) -> dict:
+    import subprocess
+    import tempfile
+
+    import triton
+
+    res = {"shared": compiled.metadata.shared}
+    ptx = compiled.asm["ptx"]
+    # wgmma.mma_async.sync.aligned.m64n<N>k16.f32.bf16.bf16: one N per distinct instruction shape
+    res["wgmma_n"] = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)})
+    res["wgmma_count"] = len(re.findall(r"wgmma\.mma_async", ptx))
+    res["cp_async"] = len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
+    # masked lanes must zero-fill: cp.async with a src-size operand
+    res["cp_async_zfill"] = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10,\s*%r",
+                                           ptx))
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if cuobjdump.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+        res.update(regs=int(found.get("REG", -1)), stack=int(found.get("STACK", -1)),
+                   local=int(found.get("LOCAL", -1)))
+    return res
+
+
+def _worker(names):
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sys.path.insert(0, str(ROOT))
+    from lowering.gluon import sparse_attention as ga
+
+    meta_dev = torch.device("meta")
+    bf16 = dict(dtype=torch.bfloat16, device=meta_dev)
+    i32 = dict(dtype=torch.int32, device=meta_dev)
+    inputs = (torch.empty(B, 1, H, D, **bf16), torch.empty(B, RING, D, **bf16), torch.empty(B, 1, W, **i32),
+              torch.empty(B, NC, D, **bf16), torch.empty(B, 1, K, **i32), torch.empty(B, 1, **i32),
+              torch.empty(H, dtype=torch.float32, device=meta_dev), D ** -0.5)
+    target = GPUTarget("cuda", 90, 32)
+    results = []
+    for name in names:
+        _, launches = ga.gluon_launch(*inputs, **CONFIGS[name])
+        kernel, grid, args, meta = launches[0]
+        entry = {"config": name, "meta": {k: v for k, v in meta.items()}, "grid": list(grid),
+                 "launches": len(launches)}
+        try:
+            compiled = triton.compile(_source(kernel, args, meta, gluon=True), target=target,
+                                      options={"num_warps": meta["num_warps"]})
+            entry["resources"] = _resources(compiled)
+        except Exception as e:  # reported; the parent test fails with it
+            entry["error"] = f"{type(e).__name__}: {e}"[:3000]
+        results.append(entry)
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    results = run_worker(__file__, *CONFIGS)
+    for r in results:  # lands in the test log (-rA / on failure)
+        print(r["config"], r["meta"], r.get("resources"), r.get("error", ""))
+    return {r["config"]: r for r in results}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_compiles_without_spills(compiled, config):
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    res = r["resources"]
+    assert res["shared"] <= SMEM_LIMIT, res
+    if "regs" in res:  # cuobjdump ships in Triton's wheel; absent -> nothing to check
+        assert 0 < res["regs"] <= 255, res
+        assert res["stack"] == 0 and res["local"] in (0, -1), res
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_scores_split_across_warpgroups(compiled, config):
+    """Two wgmma shapes: the scores at N = BLOCK_N / 2 (each warpgroup its own columns; with
+    warps [8, 1] it would be N = BLOCK_N and twice the instructions) and P @ rows at N = 256
+    (each warpgroup its half of the 512 channels)."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
+    assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
+    # per block and warpgroup: D / 16 score steps + BLOCK_N / 16 P @ rows steps, one copy of each
+    assert res["wgmma_count"] == D // 16 + block_n // 16, res
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_gather_is_cp_async_with_zero_fill(compiled, config):
+    """Rows are gathered by 16-byte cp.async whose src-size is a register (0 for masked lanes:
+    the ring slot is zero-filled, so a masked row contributes 0, never stale data)."""
+    res = compiled[config]["resources"]
+    assert res["cp_async"] > 0 and res["cp_async_zfill"] == res["cp_async"], res
+
+
+def test_split_launch_uses_combine(compiled):
+    assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
+    assert compiled["split2"]["grid"] == [B, 2]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])
