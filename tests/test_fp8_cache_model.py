@@ -14,6 +14,7 @@ import torch
 
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator
 from dsv4_ops.model.kv_cache_dtype import check_kv_cache_dtype
+from dsv4_ops.ops import attention_sm90 as sm90
 from model_util import random_model
 
 CFG = DSV4Config.tiny(head_dim=144, num_hidden_layers=3, hca_ratio=8)
@@ -210,7 +211,10 @@ def test_fp8_cache_at_v4_attention_widths_matches_the_fp8_reference(dtype, bound
     fp8_logits = run("fp8")
     m.simulate_fp8_cache(True)
     try:
-        want = run("auto")
+        # the Triton kernel on the float cache too (not the sm_90 Gluon route): the same 32-row
+        # blocks as the FP8 kernel, so the bf16 rounding of P is the same (BENCHMARKS.md, session 11)
+        with sm90.disabled():
+            want = run("auto")
     finally:
         m.simulate_fp8_cache(False)
     err = _rel(fp8_logits, want)

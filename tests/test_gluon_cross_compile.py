@@ -19,8 +19,10 @@ from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
-CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2), "split1_n64": dict(num_splits=1, block_n=64,
-                                                                                          num_stages=2)}
+# the default (64-row blocks x 2 stages) and the 32-row x 4-stage config of the sweep
+CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
+           "split1_n32": dict(num_splits=1, block_n=32, num_stages=4), "split2_n32": dict(num_splits=2, block_n=32,
+                                                                                           num_stages=4)}
 SMEM_LIMIT = 232448
 
 

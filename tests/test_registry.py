@@ -38,7 +38,8 @@ def test_every_op_has_the_test_template():
 
 class TestSchemas(expecttest.TestCase):
     def test_every_schema_is_pinned(self):
-        pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv"}
+        pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv",
+                  "sparse_attention_sm90"}
         self.assertEqual(set(dsv4_op_names()), pinned, "pin the schema of every new op below")
 
     def test_schemas(self):
@@ -51,3 +52,4 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(str(ops.moe_gemv.default._schema), """dsv4::moe_gemv(Tensor x, Tensor indices, Tensor weights, Tensor w13, Tensor w2, float limit) -> Tensor""")
         self.assertExpectedInline(str(ops.sinkhorn.default._schema), """dsv4::sinkhorn(Tensor comb, SymInt iters, float eps) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
+        self.assertExpectedInline(str(ops.sparse_attention_sm90.default._schema), """dsv4::sparse_attention_sm90(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")

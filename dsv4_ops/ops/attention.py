@@ -8,6 +8,7 @@ from ..lowering.triton.sparse_attention import combine_kernel, sparse_attention_
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
+from . import attention_sm90 as sm90
 from ._backend import use_triton
 
 
@@ -29,6 +30,8 @@ def _sparse_attention(
     torch._check(kv8 or kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
     torch._check(cmp8 or cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
+    if use_triton(q) and sm90.applies(q, kv, kv_idx, cmp, cmp_idx, cmp_len):
+        return torch.ops.dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
     if use_triton(q):
         launches = sa.attention_launches(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
         main, combine = launches.attention, launches.combine

@@ -217,8 +217,12 @@ def sparse_attention_gluon_kernel(
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                 block_n: int = 32, num_stages: int = 4) -> dict:
-    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes."""
+                 block_n: int = 64, num_stages: int = 2) -> dict:
+    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes.
+
+    64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config of
+    the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at 32 x 4;
+    a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
     cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
     return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"])
 
@@ -242,8 +246,6 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
     for name, t in (("kv_idx", kv_idx), ("cmp_idx", cmp_idx), ("cmp_len", cmp_len)):
         if t.dtype != torch.int32:
             raise ValueError(f"sparse_attention_gluon: {name} must be int32, got {t.dtype}")
-    if kv_idx.shape[-1] == 0 or cmp_idx.shape[-1] == 0 or kv.shape[1] == 0 or cmp.shape[1] == 0:
-        raise ValueError("sparse_attention_gluon: kv_idx, cmp_idx, kv and cmp must be non-empty")
     if sink.numel() != H:
         raise ValueError(f"sparse_attention_gluon: sink must have {H} entries, got {sink.numel()}")
 
@@ -252,7 +254,7 @@ def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=32, num_stages=4,
+def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=64, num_stages=2,
                  out=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU."""
@@ -261,7 +263,21 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     q, kv, cmp = (_lastdim_contiguous(t) for t in (q, kv, cmp))
     sink = sink.contiguous()
     W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
-    cfg = gluon_config(B, W + K, sm_count(q.device), num_splits, block_n, num_stages)
+    n_kv, n_cmp = kv.shape[1], cmp.shape[1]
+    if n_kv == 0 and n_cmp == 0:
+        raise ValueError("sparse_attention_gluon: kv and cmp are both empty (no rows to attend to)")
+    # an empty segment is never dereferenced (every lane masked) but needs a valid pointer; its
+    # length (W, K, N_KV or N_CMP = 0) is what the kernel reads: the tl launcher's substitutes
+    if n_kv == 0 or W == 0:
+        kv = cmp
+    if n_cmp == 0:
+        cmp = kv
+    if W == 0:
+        kv_idx = cmp_len[..., None]
+    if K == 0:
+        cmp_idx = cmp_len[..., None]
+    # the entries the split rule plans for: the tl launcher's (window + picked, or the whole pool)
+    cfg = gluon_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages)
     splits = cfg["NUM_SPLITS"]
     if out is None:
         out = torch.empty_like(q)
@@ -274,7 +290,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     if out.stride(-1) != 1:
         raise ValueError("sparse_attention_gluon: out must be contiguous in its last dim")
     args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, float(scale) * _LOG2E,
-            kv.shape[1], cmp.shape[1], W, K,
+            n_kv if W else 0, n_cmp, W, K,
             q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), kv_idx.stride(0), kv_idx.stride(2),
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
@@ -290,7 +306,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=32, num_stages=4, out=None) -> torch.Tensor:
+                           block_n=64, num_stages=2, out=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
     (H = 64, D = 512, S = 1, float caches); ValueError for anything else."""
     out, launches = gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,

@@ -1,0 +1,213 @@
+"""On an sm_90 GPU, bf16 decode attention at V4's widths (64 heads x 512 dims, float caches)
+runs the Gluon kernel (``dsv4::sparse_attention_sm90``, routed to by ``dsv4::sparse_attention``):
+its output equals the float64 oracle within bf16's tolerance for every entry kind (window rows
+with -1 sentinels, top-k picks, a dense prefix, empty segments, many splits at batch 1), it
+is what runs in eager calls, in compiled graphs and in CUDA-graph replays, and the switch
+``attention_sm90.disabled()`` (what ``dsv4_ops.export`` traces under) gives the Triton kernel
+back. A model at V4's attention widths decodes with it within bf16 noise of the Triton path."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import dsv4_ops
+from dsv4_ops import DSV4Config, Generator
+from dsv4_ops.ops import attention_sm90 as sm90
+from model_util import random_model
+
+I32 = torch.int32
+SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon attention serves sm_90 GPUs only")]
+H, D = 64, 512
+
+
+def flash_inputs(B, W=128, K=512, Nc=2048, N=256, prefix=0, seed=0):
+    """Random bf16 decode inputs at V4 widths: window rows (some -1), picks (some -1), and a dense
+    prefix of up to ``prefix`` entries (row 0 none)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    q = torch.randn(B, 1, H, D, generator=g, **dev).bfloat16()
+    kv = torch.randn(B, N, D, generator=g, **dev).bfloat16()
+    cmp = torch.randn(B, Nc, D, generator=g, **dev).bfloat16()
+    kv_idx = torch.randint(-1, N, (B, 1, W), generator=g, dtype=I32, **dev)
+    cmp_idx = torch.randint(-1, max(Nc, 1), (B, 1, K), generator=g, dtype=I32, **dev) if Nc else \
+        torch.full((B, 1, K), -1, dtype=I32, **dev)
+    cmp_len = torch.randint(0, prefix + 1, (B, 1), generator=g, dtype=I32, **dev)
+    cmp_len[0] = 0
+    sink = torch.randn(H, generator=g, **dev)
+    return [q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, D ** -0.5]
+
+
+def oracle(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
+    """Per query: list its entries, softmax against the sink in float64."""
+    B = q.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        ents = [kv[b, kv_idx[b, 0][kv_idx[b, 0] >= 0].long()], cmp[b, cmp_idx[b, 0][cmp_idx[b, 0] >= 0].long()],
+                cmp[b, :int(cmp_len[b, 0])]]
+        e = torch.cat(ents).double()
+        if e.shape[0] == 0:
+            continue
+        logits = scale * q[b, 0].double() @ e.T
+        top = torch.maximum(logits.max(-1).values, sink.double())
+        w = torch.exp(logits - top[:, None])
+        out[b, 0] = (w @ e) / (w.sum(-1) + torch.exp(sink.double() - top))[:, None]
+    return out
+
+
+CASES = {
+    "csa": dict(B=4),  # window + top-512 picks (the CSA decode of the Flash slice)
+    "hca": dict(B=3, K=0, prefix=2048),  # window + the whole pool as a dense prefix
+    "mixed": dict(B=3, prefix=1500),  # all three entry kinds
+}
+EDGE_CASES = {
+    "sliding": dict(B=2, K=0, Nc=0),  # window only (no pool at all)
+    "one_token_many_splits": dict(B=1, prefix=2048),  # split-KV: one program per 64-row chunk
+    "short_window": dict(B=2, W=5, K=3, Nc=7, N=9),  # blocks mostly masked, segments inside one block
+}
+
+
+def test_sparse_attention_sm90_opcheck():
+    opcheck(torch.ops.dsv4.sparse_attention_sm90, flash_inputs(B=2, W=16, K=32, Nc=64, N=32, prefix=40))
+
+
+def test_sparse_attention_sm90_fake_matches_real(fake_check):
+    fake_check(torch.ops.dsv4.sparse_attention_sm90, *flash_inputs(B=2, prefix=100))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sparse_attention_sm90_matches_reference(case, tol):
+    _check_route(flash_inputs(**CASES[case]), tol)
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES))
+def test_sparse_attention_sm90_edge_cases(case, tol):
+    _check_route(flash_inputs(**EDGE_CASES[case]), tol)
+
+
+def test_sparse_attention_sm90_edge_case_a_query_with_no_entries_gets_zeros():
+    args = flash_inputs(B=2)
+    args[2][1].fill_(-1)
+    args[4][1].fill_(-1)
+    out = torch.ops.dsv4.sparse_attention_sm90(*args)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("arg, change, message", [
+    ("q", lambda a: [a[0].half()] + a[1:], "q must be bf16"),
+    ("q", lambda a: [a[0][:, :, :32].contiguous()] + a[1:6] + [a[6][:32], a[7]], "H (q.shape[2]) must be 64"),
+    ("kv_idx", lambda a: a[:2] + [a[2].long()] + a[3:], "kv_idx must be int32"),
+    ("sink", lambda a: a[:6] + [a[6][:10], a[7]], "sink must have 64 entries"),
+])
+def test_sparse_attention_sm90_rejects_bad_input(arg, change, message):
+    """The raw Gluon op serves one case; anything else is refused naming the argument (the
+    public op never routes such inputs here)."""
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        torch.ops.dsv4.sparse_attention_sm90(*change(flash_inputs(B=2)))
+
+
+def _check_route(args, tol):
+    before = sm90.stats["launches"]
+    out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before + 1, "the Gluon kernel did not run"
+    assert out.shape == args[0].shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), oracle(*args), **tol(torch.bfloat16))
+    with sm90.disabled():
+        triton_out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before + 1, "disabled() still ran the Gluon kernel"
+    # two fp32 softmaxes over the same bf16 rows: they differ by the rounding of P to bf16
+    assert (out.float() - triton_out.float()).abs().max() <= 1e-2
+
+
+@pytest.mark.parametrize("why, change", [
+    ("prefill (S > 1)", lambda a: [a[0].expand(-1, 2, -1, -1).contiguous(), a[1], a[2].expand(-1, 2, -1).contiguous(),
+                                   a[3], a[4].expand(-1, 2, -1).contiguous(), a[5].expand(-1, 2).contiguous()] + a[6:]),
+    ("fp16", lambda a: [a[0].half(), a[1].half(), a[2], a[3].half()] + a[4:]),
+    ("32 heads", lambda a: [a[0][:, :, :32].contiguous()] + a[1:6] + [a[6][:32], a[7]]),
+])
+def test_other_shapes_and_dtypes_keep_the_triton_kernel(why, change, tol):
+    args = change(flash_inputs(B=2))
+    before = sm90.stats["launches"]
+    out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before, f"{why} ran the Gluon kernel"
+    assert out.shape == args[0].shape and out.isfinite().all()
+
+
+def test_compiled_and_cuda_graphed_calls_run_the_gluon_kernel():
+    """Inductor cannot inline a Gluon kernel: the compiled graph calls the op (an extern call),
+    and a CUDA graph of the compiled function replays it. Same kernel, same inputs: same bits."""
+    torch._dynamo.reset()
+    args = flash_inputs(B=8, prefix=512, seed=1)
+    want = torch.ops.dsv4.sparse_attention(*args)
+    fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
+    before = sm90.stats["launches"]
+    assert torch.equal(fn(*args), want)
+    assert sm90.stats["launches"] > before, "the compiled graph did not call the Gluon kernel"
+
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    fn(*static)  # warm-up on the capture stream's inputs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    fresh = flash_inputs(B=8, prefix=512, seed=2)
+    for s, f in zip(static, fresh):
+        if isinstance(s, torch.Tensor):
+            s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.ops.dsv4.sparse_attention(*fresh))
+
+
+def test_traced_under_disabled_the_graph_keeps_the_triton_kernel():
+    """What ``dsv4_ops.export`` relies on: a graph traced under ``disabled()`` never calls the
+    Gluon op (AOTInductor's C++ runtime could not), and computes the Triton kernel's bits."""
+    torch._dynamo.reset()
+    args = flash_inputs(B=4, prefix=256, seed=3)
+    with sm90.disabled():
+        want = torch.ops.dsv4.sparse_attention(*args)
+        fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
+        before = sm90.stats["launches"]
+        got = fn(*args)
+    assert sm90.stats["launches"] == before
+    assert torch.equal(got, want)
+    torch._dynamo.reset()
+
+
+V4_ATTENTION = DSV4Config.tiny(head_dim=512, rope_head_dim=64, num_attention_heads=64, o_groups=8,
+                               sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512,
+                               num_hidden_layers=3, hca_ratio=128, max_position_embeddings=8192)
+
+
+def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
+    """bf16, 3 layers (sliding, CSA, HCA), prefill of 2100 tokens then 8 decode steps: the
+    Gluon route's logits stay within bf16 noise of the Triton route's, eagerly and compiled +
+    CUDA-graphed (no recompiles; the replays are where the decode time goes)."""
+    m = random_model(V4_ATTENTION, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
+    feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
+    kw = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64)
+
+    def run(gen):
+        gen.prefill(prompts)
+        return torch.stack([gen.decode(feed[t]) for t in range(len(feed))], 1).float()
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    before = sm90.stats["launches"]
+    gluon = run(Generator(m, compile=False, **kw))
+    assert sm90.stats["launches"] - before >= 2 * len(feed)  # the CSA and HCA layers, every step
+    with sm90.disabled():
+        triton = run(Generator(m, compile=False, **kw))
+    err = rel(gluon, triton)
+    print(f"V4 attention widths, bf16: Gluon vs Triton decode logits, max rel err {err:.2e}")
+    assert gluon.isfinite().all() and err <= 2e-2
+
+    gen = Generator(m, compile=True, cuda_graphs=True, **kw)
+    run(gen)  # compile + record
+    with torch.compiler.set_stance("fail_on_recompile"):
+        graphed = run(gen)
+    assert gen.stats["recompiles"] == 0 and gen.stats["cuda_graph_replays"] > 0
+    err = rel(graphed, gluon)
+    print(f"compiled + CUDA-graphed vs eager (both Gluon): max rel err {err:.2e}")
+    assert err <= 2e-2
