@@ -1,6 +1,6 @@
 """Launch-config sweep of the hot decode kernels on one GPU (tuning data for the static configs).
 
-    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk|sinkhorn|fp8 ...]
+    python benchmarks/sweep_kernels.py --out out/sweep.json [--only attention|scores|topk|sinkhorn|fp8|fused ...]
 
 For each kernel the script builds the per-kernel benchmark's inputs
 (``benchmarks/kernel_bench/cases.py``: V4-Flash widths, context 32K, L2-cold input copies), runs
@@ -87,6 +87,24 @@ def _topk_configs(base: dict, n: int) -> list[dict]:
     return out
 
 
+FUSED_CHUNKS = (1024, 2048, 4096, 8192)
+# warps tried besides the default (indexer.fused_warps) for a chunk; 4096 x 4 spills on sm_90
+FUSED_OTHER_WARPS = {2048: (8,), 8192: (16,)}
+
+
+def _fused_configs(base: dict, n: int, topk: int, chunks=FUSED_CHUNKS) -> list[dict]:
+    """The whole indexer_topk: the unfused path first (``TOPK_FUSED=0``: the default before the
+    fused top-k, the reference every other config's output must equal exactly), then the fused
+    path at every chunk of ``chunks`` that keeps at most half of what it scores (``2 * topk <=
+    chunk``) and is not longer than the row, at its default warps and ``FUSED_OTHER_WARPS``."""
+    out = [dict(base, TOPK_FUSED=0)]
+    for chunk in chunks:
+        if 2 * topk <= chunk <= max(n, chunks[0]):
+            out += [dict(base, TOPK_FUSED=chunk, fused_warps=0)]
+            out += [dict(base, TOPK_FUSED=chunk, fused_warps=w) for w in FUSED_OTHER_WARPS.get(chunk, ())]
+    return out
+
+
 def _fp8_attention_configs(base: dict) -> list[dict]:
     """The FP8 readers' decode (``E4M3_HW``: 0 integer, 2 hardware convert, 3 bit moves, 4 bit moves in
     PTX) and how many gathered blocks are in flight (stages; more than fit raise at launch and are
@@ -120,14 +138,15 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got[fin].float() - want[fin].float()).abs().max() <= 2e-2 * want[fin].float().abs().max()).item())
 
 
-def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: float, target_ms: float, log) -> list:
+def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: float, target_ms: float, log,
+          same=_same, show=None) -> list:
     dev = copies[0][0].device
     want = run(copies[0], configs[0]).clone()
     rows = []
     for i, cfg in enumerate(configs):
         row = dict(sweep=name, config=cfg, default=i == 0)
         try:
-            ok = _same(run(copies[0], cfg), want)
+            ok = same(run(copies[0], cfg), want)
             row["matches_default"] = ok
             if ok:
                 t = kernel_time([functools.partial(run, a, cfg) for a in copies], dev, target_ms)
@@ -135,7 +154,8 @@ def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: fl
         except Exception as e:  # a config that does not compile or launch: report and go on
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
-        shown = {k: v for k, v in cfg.items() if k not in ("BLOCK_D", "BLOCK_HI", "BLOCK_DI", "KPAD")}
+        shown = {k: v for k, v in cfg.items() if k not in ("BLOCK_D", "BLOCK_HI", "BLOCK_DI", "KPAD")
+                 and (show is None or k in show)}
         log(f"  [{i + 1:>2}/{len(configs)}] {name:<20} {shown} -> "
             + (f"{row['time_us']:8.2f} us  {100 * row['fraction']:5.1f}% of floor" if "time_us" in row
                else row.get("error", "output differs from the default config")))
@@ -148,8 +168,10 @@ def sweep(name: str, run, configs: list[dict], copies: list[tuple], floor_us: fl
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/sweep.json")
-    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk", "sinkhorn", "fp8"],
+    p.add_argument("--only", nargs="+", choices=["attention", "scores", "topk", "sinkhorn", "fp8", "fused"],
                    default=["attention", "scores", "topk"])
+    p.add_argument("--fused-ctx", type=int, nargs="+", default=[32768, 131072],
+                   help="contexts of the fused top-k sweep (--only fused; default: %(default)s)")
     p.add_argument("--batches", type=int, nargs="+", default=[64])
     p.add_argument("--target-ms", type=float, default=30.0)
     p.add_argument("--ctx", type=int, default=32768, help="context of every case (default: %(default)s)")
@@ -211,7 +233,7 @@ def main(argv=None) -> int:
 
                 rows += sweep(f"topk B={B}", run_topk, _topk_configs(base, keys.shape[1]), scored, rl.floor_us(case.cost),
                               args.target_ms, log)
-                # the whole op at the best scores + top-k configs, against the whole op's floor
+                # the whole op at the best scores + top-k configs (unfused: TOPK_FUSED=0), against the whole op's floor
                 best = {}
                 for kind, keys_of in (("indexer_scores", ("BLOCK_N", "CHUNK", "num_warps", "num_stages")),
                                       ("topk", ("TOPK_ROW", "TOPK_BITS", "TOPK_SPLIT", "row_warps", "TOPK_BLOCK",
@@ -221,7 +243,8 @@ def main(argv=None) -> int:
                     if cand:
                         best.update({key: cand[0]["config"][key] for key in keys_of})
                 rows += sweep(f"indexer_topk B={B}", lambda a, cfg: ix.indexer_topk(*a, config=cfg),
-                              [base, dict(base, **best)], copies, rl.floor_us(case.cost), args.target_ms, log)
+                              [base, dict(base, **best, TOPK_FUSED=0)], copies, rl.floor_us(case.cost),
+                              args.target_ms, log)
             del copies
             torch.cuda.empty_cache()
             out.write_text(json.dumps(rows, indent=1))
@@ -253,6 +276,23 @@ def main(argv=None) -> int:
             del copies
             torch.cuda.empty_cache()
             out.write_text(json.dumps(rows, indent=1))
+        if "fused" in args.only:  # the whole indexer_topk: unfused vs the fused top-k by chunk (exact same picks)
+            for ctx in ([CTX] if args.tiny else args.fused_ctx):
+                case = C.indexer_topk_case(FLASH, B, ctx, "flash")
+                copies = _copies(case, dev)
+                q, w, keys, vis, k = copies[0]
+                n = keys.shape[1]
+                base = ix.indexer_config(B, 1, q.shape[2], q.shape[3], n, k,
+                                         ix.sm_count(dev), ix.backend())
+                log(f"fused B={B} x {n} keys (ctx {ctx}), top-{k}: rule TOPK_FUSED={base['TOPK_FUSED']} "
+                    f"(TOPK_SPLIT={base['TOPK_SPLIT']} unfused)")
+                chunks = (16, 32, 64) if args.tiny else FUSED_CHUNKS
+                rows += sweep(f"indexer_topk fused B={B} N={n}", lambda a, cfg: ix.indexer_topk(*a, config=cfg),
+                              _fused_configs(base, n, k, chunks), copies, rl.floor_us(case.cost), args.target_ms, log,
+                              same=torch.equal, show=("CHUNK", "TOPK_SPLIT", "TOPK_FUSED", "fused_warps"))
+                del copies
+                torch.cuda.empty_cache()
+                out.write_text(json.dumps(rows, indent=1))
         if "sinkhorn" in args.only:  # one mHC site: the decode step's B matrices, a 1024-token prefill chunk's
             for T in (B, B * 1024):
                 comb = [((torch.rand(T, 4, 4, device=dev) * 3).softmax(-1) + 1e-6,) for _ in range(4)]

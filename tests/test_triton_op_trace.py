@@ -126,6 +126,14 @@ def _worker():
     split = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
              for n in gs.graph.nodes
              if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    # batch-64 decode at 32K context (8192 pool entries, top-512): the fused top-k (stage 1 in the
+    # scores kernel, then stage 2)
+    with FakeTensorMode():
+        gf = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 512)), tracing_mode="real")(
+            t(64, 1, HI, DI), t(64, 1, HI), t(64, 8192, DI), t(64, 1, dtype=torch.int32))
+    fused = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
+             for n in gf.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     import torch._library.triton as library_triton
     from torch._library.custom_ops import OPDEFS
 
@@ -148,7 +156,7 @@ def _worker():
                        "registered": None if registered is None else names(registered(op))}
                   for op in sorted(OPDEFS) if op.startswith("dsv4::")}
     print(json.dumps({"launches": launches, "leftover": leftover, "warnings": warnings, "discovered": discovered,
-                      "grouped": grouped, "split": split}))
+                      "grouped": grouped, "split": split, "fused": fused}))
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +179,14 @@ def test_split_topk_traces_to_its_two_stages(traced):
     # stage 2 only reads them (cand_ptr: the indices) and writes the picks
     assert [tuple(x) for x in traced["split"]] == [("indexer_scores_kernel", ["out_ptr"]),
                                                    ("topk_row_kernel", ["cand_ptr", "out_ptr"]),
+                                                   ("topk_row_kernel", ["out_ptr"])]
+
+
+def test_fused_topk_traces_to_the_scores_kernel_and_stage_2(traced):
+    # the fused scores kernel writes its scratch scores and both candidate buffers (its select and
+    # compaction helpers take no pointers, so the analysis sees exactly those); stage 2 only reads them
+    assert [tuple(x) for x in traced["fused"]] == [("indexer_scores_kernel", ["cand_idx_ptr", "cand_score_ptr",
+                                                                              "out_ptr"]),
                                                    ("topk_row_kernel", ["out_ptr"])]
 
 

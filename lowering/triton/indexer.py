@@ -30,6 +30,12 @@ Three kernels (the row one in three modes):
   live), ties by lower candidate position, which is lower entry index, and writes the
   picked candidates' entry indices. The global top-k is within the segments' top-k, as an
   entry beaten by fewer than ``topk`` entries of the row is beaten by fewer in its segment.
+- fused top-k (``indexer_scores_kernel`` with ``TOPK_FUSED``, chosen by ``indexer_config`` for
+  long rows once the rows fill the GPU): the split top-k's stage 1 done by the scores kernel,
+  each program over its own chunk (``SEG = CHUNK``): its scores go to a scratch row, are
+  re-read as a register row after a barrier, and its top-k is written as stage-1 candidates;
+  then stage 2 as above. The select and compaction are the ``@triton.jit`` helpers
+  ``_radix_select`` / ``_picked`` shared with ``topk_row_kernel`` (no pointers in or out).
 """
 from __future__ import annotations
 
@@ -45,25 +51,36 @@ from .fp8_codec import bytes_of_words, e4m3_hw, e4m3_to, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
-           "topk_row_kernel", "indexer_config", "topk_segment", "indexer_launches", "scores_launch",
-           "topk_launches", "IndexerLaunches"]
+           "topk_row_kernel", "indexer_config", "topk_segment", "topk_fused_chunk", "fused_warps", "indexer_launches",
+           "scores_launch", "topk_launches", "fused_launches", "IndexerLaunches"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
 
 @triton.jit
 def indexer_scores_kernel(
-    q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr,
-    S, HI, N,
+    q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, cand_idx_ptr, cand_score_ptr,
+    S, HI, N, TOPK,
     sq_b, sq_s, sq_h, sq_d,
     sw_b, sw_s, sw_h,
     sk_b, sk_n, sk_d,
     sv_b, sv_s,
     so_b, so_s, so_n,
+    sc_b, sc_s, sc_k,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, E4M3_HW: tl.constexpr,
     KEY_PAGE: tl.constexpr,  # FP8 keys a page: static, so the page arithmetic is shifts
+    TOPK_FUSED: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr,
 ):
+    """Scores of query token ``pid 0`` over entries ``[pid 1 * CHUNK, +CHUNK)`` into ``out_ptr``
+    (``[B, S, N]``, strides ``so_*``). ``TOPK_FUSED`` 0: that is all (``cand_*`` unused).
+    ``TOPK_FUSED`` 1: ``out_ptr`` is scratch, written only where visible, and the program then
+    does the split top-k's stage 1 over its own chunk (the chunk is the segment, ``SEG = CHUNK``):
+    re-reads the chunk's scores as a register row, radix select + compaction
+    (``_radix_select``, ``_picked``), and writes the top-``TOPK`` as entry indices into
+    ``cand_idx_ptr`` and scores into ``cand_score_ptr`` (both ``[B, S, P * TOPK]``, strides
+    ``sc_*``) at ``pid 1 * TOPK``, in index order, then -1 / ``-inf`` fillers: exactly what
+    ``topk_row_kernel`` ``STAGE`` 1 writes, for its ``STAGE`` 2 to merge."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)  # chunk of CHUNK entries
     b = (pid_t // S).to(tl.int64)
@@ -129,11 +146,31 @@ def indexer_scores_kernel(
             if KEYS_FP8:
                 scores = scores * kscale
             tl.store(out_row + offs_n * so_n, tl.where(live, scores, float("-inf")), mask=offs_n < hi)
-    # the blocks the scoring loop did not write
-    dead_lo = lo + tl.cdiv(tl.maximum(live_hi - lo, 0), BLOCK_N) * BLOCK_N
-    for start in range(dead_lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        tl.store(out_row + offs_n * so_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < hi)
+    if TOPK_FUSED:  # stage 1 of the split top-k over this chunk; the scratch past visible is never read
+        seg_vis = tl.maximum(live_hi - lo, 0)
+        k_eff = tl.minimum(seg_vis, TOPK)
+        cand_row = b * sc_b + s * sc_s + pid_c * TOPK * sc_k
+        if seg_vis > 0:  # else: a chunk wholly past visible keeps fillers only
+            tl.debug_barrier()  # the chunk's scores, stored by the threads that computed them, re-read by others
+            offs_c = tl.arange(0, CHUNK)
+            live = offs_c < seg_vis
+            key = _ordered_key(tl.load(out_row + (lo + offs_c) * so_n, mask=live, other=0.0))
+            prefix, known, k_rem, done = _radix_select(key, live, k_eff, BITS)
+            sel = _picked(key, live, prefix, known, k_rem, done)
+            slot = tl.cumsum(sel, 0) - sel  # the chunk's picks in index order: no ordering
+            tl.store(cand_idx_ptr + cand_row + slot * sc_k, lo + offs_c, mask=sel != 0)
+            # the score back from its key (no register row of scores kept through the select; -0.0 comes
+            # back +0.0, the same key)
+            tl.store(cand_score_ptr + cand_row + slot * sc_k, _key_score(key), mask=sel != 0)
+        j = tl.arange(0, KPAD)
+        filler = (j >= k_eff) & (j < TOPK)
+        tl.store(cand_idx_ptr + cand_row + j * sc_k, tl.full([KPAD], -1, tl.int32), mask=filler)
+        tl.store(cand_score_ptr + cand_row + j * sc_k, tl.full([KPAD], float("-inf"), tl.float32), mask=filler)
+    else:  # the blocks the scoring loop did not write
+        dead_lo = lo + tl.cdiv(tl.maximum(live_hi - lo, 0), BLOCK_N) * BLOCK_N
+        for start in range(dead_lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            tl.store(out_row + offs_n * so_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < hi)
 
 
 @triton.jit
@@ -149,6 +186,57 @@ def _ordered_key(x):
     u = x.to(tl.uint32, bitcast=True)
     sign = tl.full(u.shape, 0x80000000, tl.uint32)
     return tl.where((u & sign) != 0, _not32(u), u | sign)
+
+
+
+@triton.jit
+def _key_score(key):
+    """The fp32 score of an ``_ordered_key`` (its inverse; ``-0.0`` had become ``+0.0``'s key)."""
+    sign = tl.full(key.shape, 0x80000000, tl.uint32)
+    return tl.where((key & sign) != 0, key ^ sign, _not32(key)).to(tl.float32, bitcast=True)
+
+@triton.jit
+def _radix_select(key, live, k_eff, BITS: tl.constexpr):
+    """Radix select over a register row of order-preserving ``key`` s (``_ordered_key``), of
+    which the ``live`` ones count: ``(prefix, known, k_rem, done)`` -- the threshold's known
+    high bits ``key & known == prefix``, ``k_rem`` entries of the threshold bin still among the
+    ``k_eff`` picks, and ``done`` when that is the whole bin (the select stopped early). No
+    pointers in or out (see "Prologue inline" in BENCHMARKS.md): shared by ``topk_row_kernel``
+    and the fused stage 1 of ``indexer_scores_kernel``."""
+    NB: tl.constexpr = 1 << BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.full([], 0, tl.uint32)
+    known = tl.full([], 0, tl.uint32)
+    k_rem = k_eff
+    cand = live
+    done = k_eff == 0
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        if not done:
+            shift: tl.constexpr = 32 - BITS * (p + 1) if 32 - BITS * (p + 1) > 0 else 0
+            digit = ((key >> shift) & (NB - 1)).to(tl.int32)
+            hist = tl.histogram(digit, NB, mask=cand)
+            at_least = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= d
+            d_star = tl.sum((at_least >= k_rem).to(tl.int32), 0) - 1
+            k_rem -= tl.sum(tl.where(bins > d_star, hist, 0), 0)
+            done = k_rem == tl.sum(tl.where(bins == d_star, hist, 0), 0)  # the whole bin is picked
+            prefix = prefix | (d_star.to(tl.uint32) << shift)
+            known = known | tl.full([], (NB - 1) << shift, tl.uint32)
+            cand = cand & (digit == d_star)
+    return prefix, known, k_rem, done
+
+
+@triton.jit
+def _picked(key, live, prefix, known, k_rem, done):
+    """The compaction's choice after ``_radix_select`` (int32 0/1 per entry): every live entry
+    above the threshold bin, plus the first ``k_rem`` of the bin by position (all of them when
+    the select stopped early) -- the stable sort's choice."""
+    high = key & known
+    if done:
+        sel = (live & (high >= prefix)).to(tl.int32)
+    else:  # exact ties at the k-th score: the lowest indices among them
+        eq = (live & (high == prefix)).to(tl.int32)
+        sel = ((live & (high > prefix)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < k_rem))).to(tl.int32)
+    return sel
 
 
 @triton.jit
@@ -289,34 +377,9 @@ def topk_row_kernel(
     key = _ordered_key(x)
 
     # 1. radix select over the candidates (entries whose known high bits equal prefix)
-    NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
-    prefix = tl.full([], 0, tl.uint32)
-    known = tl.full([], 0, tl.uint32)
-    k_rem = k_eff
-    cand = live
-    done = k_eff == 0
-    for p in tl.static_range((32 + BITS - 1) // BITS):
-        if not done:
-            shift: tl.constexpr = 32 - BITS * (p + 1) if 32 - BITS * (p + 1) > 0 else 0
-            digit = ((key >> shift) & (NB - 1)).to(tl.int32)
-            hist = tl.histogram(digit, NB, mask=cand)
-            at_least = tl.cumsum(hist, 0, reverse=True)  # candidates with digit >= d
-            d_star = tl.sum((at_least >= k_rem).to(tl.int32), 0) - 1
-            k_rem -= tl.sum(tl.where(bins > d_star, hist, 0), 0)
-            done = k_rem == tl.sum(tl.where(bins == d_star, hist, 0), 0)  # the whole bin is picked
-            prefix = prefix | (d_star.to(tl.uint32) << shift)
-            known = known | tl.full([], (NB - 1) << shift, tl.uint32)
-            cand = cand & (digit == d_star)
-
+    prefix, known, k_rem, done = _radix_select(key, live, k_eff, BITS)
     # 2. compaction: above the threshold bin, plus the first k_rem candidates by index
-    #    (all of them when the select stopped early)
-    high = key & known
-    if done:
-        sel = (live & (high >= prefix)).to(tl.int32)
-    else:  # exact ties at the k-th score: the lowest indices among them
-        eq = (live & (high == prefix)).to(tl.int32)
-        sel = ((live & (high > prefix)) | ((eq != 0) & (tl.cumsum(eq, 0) - eq < k_rem))).to(tl.int32)
+    sel = _picked(key, live, prefix, known, k_rem, done)
     slot = tl.cumsum(sel, 0) - sel
     if STAGE == 1:  # the segment's picks in index order, then the fillers: no ordering
         tl.store(out_row + slot * so_k, offs + seg * SEG, mask=sel != 0)
@@ -365,6 +428,38 @@ def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
     return best
 
 
+# Chunks the fused top-k may cut a row into (powers of two): at least 2 * topk (a chunk keeps at most
+# half of what it scores), at most 8192 (the chunk's register row in the scores program).
+TOPK_FUSED_CHUNKS = (1024, 2048, 4096, 8192)
+# The most chunks a fused row is cut into: stage 2 then merges at most 4 * topk candidates (2048 at
+# top-512, a quarter of a 32K-context row), a short register row for one program per row.
+TOPK_FUSED_MAX_PARTS = 4
+
+
+def topk_fused_chunk(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
+    """The fused top-k's chunk for ``rows`` rows of ``N`` scores (0: not fused).
+
+    The largest chunk of ``TOPK_FUSED_CHUNKS`` that is shorter than the row, at least
+    ``2 * topk``, cuts the row in at most ``TOPK_FUSED_MAX_PARTS`` chunks (whose candidates fit
+    the row kernel, ``parts * topk <= row_limit``), and still gives every SM a scores program
+    (``rows * parts >= sms``). Rows of at most ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
+    if N <= TOPK_SPLIT_MIN_SCORES:
+        return 0
+    for chunk in sorted(TOPK_FUSED_CHUNKS, reverse=True):
+        parts = -(-N // chunk)
+        if chunk >= N or chunk < 2 * topk or parts > TOPK_FUSED_MAX_PARTS or parts * topk > row_limit:
+            continue
+        if rows * parts >= sms:
+            return chunk
+    return 0
+
+
+def fused_warps(chunk: int) -> int:
+    """Warps of the fused scores program over ``chunk`` entries (``indexer_config``'s
+    ``fused_warps`` 0): 4 up to 2048 entries (16 a thread), 8 past them."""
+    return 4 if chunk <= 2048 else 8
+
+
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
                    backend: str = "cuda") -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
@@ -386,27 +481,49 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     of one program each (stage 1: each segment's top-k), and one program per row merges their
     ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA by :func:`topk_segment`
     (one wave of stage-1 programs, the shortest longer stage).
+    Fused top-k (``TOPK_FUSED`` = the chunk, a power of two; 0 = off, the paths above): the
+    split top-k's stage 1 done by the scores kernel itself, each program over its own chunk of
+    ``TOPK_FUSED`` entries (which replaces ``CHUNK``; ``fused_warps`` warps), then stage 2 as
+    above. Once the rows alone give the scores kernel a program per SM, a separate stage 1 costs
+    a launch and a second read of the scores, and one program per row leaves a long select
+    per program (B=64 x 32K on the H200: scores 36.8 us + split top-k 20.0 us). So a row of
+    more than ``TOPK_SPLIT_MIN_SCORES`` scores is fused with the largest chunk that still keeps
+    every SM busy (``rows * parts >= sms``), at least ``2 * topk`` long, in at most
+    ``TOPK_FUSED_MAX_PARTS`` chunks (stage 2 merges at most ``4 * topk`` candidates):
+    :func:`topk_fused_chunk`. B=64 x 8192 scores: 2048 (256 programs, the ``CHUNK`` the
+    unfused scores kernel takes there); B=128 x 8192: 4096; B=64 and 128 x 32768: 8192. Fewer
+    rows (decode at batch 1-32) keep the separate split. ``fused_warps`` (0: by the chunk,
+    :func:`fused_warps`): 4 (the scores kernel's) up to 2048-entry chunks, 8 past them: the
+    chunk's register row costs ~10 registers per entry a thread (sm_90 cross-compile: 2048
+    entries x 4 warps 158 registers; 4096 x 4 spills, x 8 140 registers; 8192 x 8 255, no
+    spill; x 16 spills). Not timed yet (``sweep_kernels.py --only fused``, ``gpu_check.sh
+    sweep-indexer-fused``); ``TOPK_FUSED=0`` gives the paths above for sweeps.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
-    at 32K scores, and neither is timed on AMD hardware.
+    at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
     """
     block_n = 64
     per_program = -(-(B * S * N) // (2 * sms))
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
+    fused = topk_fused_chunk(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
-                TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg,
+                TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg, TOPK_FUSED=fused, fused_warps=0,
                 row_warps=16, TOPK_BLOCK=4096, loop_warps=8, KPAD=max(16, next_pow2(topk)),
                 E4M3_HW=e4m3_hw(backend))
 
 
 def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                  out: torch.Tensor | None = None, *, config: dict | None = None
-                  ) -> tuple[torch.Tensor, Launch | None]:
+                  out: torch.Tensor | None = None, *, config: dict | None = None,
+                  candidates: tuple | None = None) -> tuple[torch.Tensor, Launch | None]:
     """``[B, S, N] fp32`` scores and the ``indexer_scores_kernel`` launch that fills them
-    (``None``: empty). ``config`` overrides keys of ``indexer_config``."""
+    (``None``: empty). ``config`` overrides keys of ``indexer_config``. ``candidates``
+    ``(cand_idx, cand_scores, topk)``: the fused top-k's launch instead (chunks of
+    ``config["TOPK_FUSED"]`` entries, each program's stage-1 picks into the two ``[B, S,
+    cdiv(N, chunk) * topk]`` buffers, same strides); ``out`` is then scratch, valid only
+    where visible."""
     B, S, HI, DI = q.shape
     fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
     N = _entries(keys)
@@ -422,19 +539,57 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     else:
         keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
         key_args, page = (keys, *keys.stride()), 1
-    args = (q, weights, key_args[0], visible, out,
-            S, HI, N,
-            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride())
-    return out, Launch((B * S, -(-N // cfg["CHUNK"])), args,
+    if candidates is None:  # cand_* unused (TOPK_FUSED 0): the scores again, never accessed
+        chunk, cand, topk, cand_strides = cfg["CHUNK"], (out, out), 0, (0, 0, 0)
+        fused = dict(TOPK_FUSED=0, KPAD=16, BITS=5, num_warps=cfg["num_warps"])
+    else:
+        chunk, (cand_idx, cand_scores, topk) = cfg["TOPK_FUSED"], candidates
+        assert chunk >= 16 and chunk == next_pow2(chunk), f"TOPK_FUSED must be a power of two >= 16, got {chunk}"
+        assert cand_idx.shape == cand_scores.shape == (B, S, -(-N // chunk) * topk), cand_idx.shape
+        assert cand_idx.stride() == cand_scores.stride(), "one layout: both addressed with the same strides"
+        cand, cand_strides = (cand_idx, cand_scores), cand_idx.stride()
+        fused = dict(TOPK_FUSED=1, KPAD=max(16, next_pow2(topk)), BITS=cfg["TOPK_BITS"],
+                     num_warps=cfg.get("fused_warps") or fused_warps(chunk))
+    args = (q, weights, key_args[0], visible, out, *cand,
+            S, HI, N, topk,
+            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), *cand_strides)
+    return out, Launch((B * S, -(-N // chunk)), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
-                            CHUNK=cfg["CHUNK"], UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
+                            CHUNK=chunk, UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
                             E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page,
-                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                            num_stages=cfg["num_stages"], **fused))
 
 
 def _entries(keys: torch.Tensor) -> int:
     """Entries of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one."""
     return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
+
+
+def _merge_launch(cand_idx: torch.Tensor, cand_scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor,
+                  N: int, topk: int, seg: int, cfg: dict) -> Launch:
+    """Stage 2 of the split (or fused) top-k: one ``topk_row_kernel`` program per row over the
+    ``cdiv(N, seg) * topk`` candidates of stage 1 into ``out``."""
+    B, S, width = cand_idx.shape
+    return Launch((B * S,), (cand_scores, visible, out, cand_idx, S, N, topk, *cand_scores.stride(),
+                             *visible.stride(), *out.stride()),
+                  dict(KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"], num_warps=cfg["row_warps"],
+                       ROW=max(16, next_pow2(width)), STAGE=2, SEG=seg))
+
+
+def fused_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int,
+                   out: torch.Tensor, scores: torch.Tensor | None, cfg: dict) -> tuple:
+    """The fused top-k (``cfg["TOPK_FUSED"]``, the chunk): ``(indexer_scores_kernel launch with
+    stage 1 fused in, (stage-2 topk_row_kernel launch,), None)`` -- a group of
+    ``IndexerLaunches``; ``scores`` the ``[B, S, N]`` scratch (None: allocated)."""
+    B, S = visible.shape
+    N = _entries(keys)
+    chunk = cfg["TOPK_FUSED"]
+    width = -(-N // chunk) * topk
+    cand_idx = torch.empty((B, S, width), dtype=torch.int32, device=q.device)
+    cand_scores = torch.empty((B, S, width), dtype=torch.float32, device=q.device)
+    _, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg,
+                               candidates=(cand_idx, cand_scores, topk))
+    return scoring, (_merge_launch(cand_idx, cand_scores, visible, out, N, topk, chunk, cfg),), None
 
 
 def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
@@ -458,9 +613,7 @@ def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: t
         stage1 = Launch((B * S, P), (scores, visible, cand_idx, cand_scores, S, N, topk, *scores.stride(),
                                      *visible.stride(), *cand_idx.stride()),
                         dict(row_meta, ROW=seg, STAGE=1, SEG=seg))
-        stage2 = Launch((B * S,), (cand_scores, visible, out, cand_idx, S, N, topk, *cand_scores.stride(), *vis_out),
-                        dict(row_meta, ROW=max(16, next_pow2(P * topk)), STAGE=2, SEG=seg))
-        return (stage1, stage2), None
+        return (stage1, _merge_launch(cand_idx, cand_scores, visible, out, N, topk, seg, cfg)), None
     if N <= cfg["TOPK_ROW"]:
         # STAGE 0 reads no candidates: cand_ptr is the scores, never accessed
         args = (scores, visible, out, scores, S, N, topk, *scores.stride(), *vis_out)
@@ -490,7 +643,8 @@ class IndexerLaunches(NamedTuple):
     out: torch.Tensor  # [B, S, topk] int32
     # per group of query tokens (token_group), in order: (indexer_scores_kernel launch,
     # topk_row_kernel launches, topk_kernel launch or None) -- topk_launches' pair after the
-    # scores launch (never None): one row launch, the split top-k's two, or the looped one.
+    # scores launch (never None): one row launch, the split top-k's two, or the looped one;
+    # or fused_launches' (the scores launch doing stage 1, then stage 2 alone).
     # Empty when there is nothing to launch (no tokens, or an empty pool: out is then all -1).
     groups: tuple
 
@@ -515,6 +669,8 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if G == S:  # every decode step: one [B, S, N] scratch, no views
         cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
                **(config or {})}
+        if cfg.get("TOPK_FUSED", 0):
+            return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg),))
         scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
         return IndexerLaunches(out, ((scoring, *topk_launches(scores, visible, topk, out, cfg)),))
     scratch = torch.empty((B, G, N), dtype=torch.float32, device=q.device)
@@ -525,6 +681,10 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                **(config or {})}
         # the scores kernel writes rows [0, s1 - s0) of the scratch; the top-k reads those rows and
         # writes the group's rows of out
+        if cfg.get("TOPK_FUSED", 0):
+            groups.append(fused_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], topk,
+                                         out[:, s0:s1], scratch[:, : s1 - s0], cfg))
+            continue
         _, scoring = scores_launch(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], out=scratch, config=cfg)
         groups.append((scoring, *topk_launches(scratch[:, : s1 - s0], visible[:, s0:s1], topk, out[:, s0:s1], cfg)))
     return IndexerLaunches(out, tuple(groups))
