@@ -81,57 +81,54 @@ def check(poison, q, w, keys, visible, topk, chunk, **kw):
 # --------------------------------------------------------------------------------------
 # the rule (a pure function of sizes, no kernels)
 # --------------------------------------------------------------------------------------
-def test_fused_is_chosen_for_long_rows_that_fill_the_gpu():
+def test_fused_is_chosen_where_the_h200_sweep_measured_it_faster():
     cfg = indexer.indexer_config
-    # V4-Flash indexer (64 heads x 128, top-512) at 32K context (8192 keys): batch 64 fuses in 2048-entry
-    # chunks (4 a row: 256 scores programs, stage 2 over 4 x 512 candidates), the CHUNK the unfused
-    # scores kernel takes there; the old split stays configured for an override
+    # V4-Flash indexer (64 heads x 128, top-512). 32K context (8192 keys): batch 128 fuses in 1024-entry
+    # chunks (101.5 against 113.6 us unfused), batch 64 does not (58.6 fused against 57.0)
+    c = cfg(B=128, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
+    assert (c["TOPK_FUSED"], c["fused_warps"]) == (1024, 0) and indexer.fused_warps(1024) == 4
     c = cfg(B=64, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
-    assert (c["TOPK_FUSED"], c["CHUNK"], c["TOPK_SPLIT"], c["fused_warps"]) == (2048, 2048, 4096, 0)
-    assert indexer.fused_warps(2048) == 4 and indexer.fused_warps(4096) == indexer.fused_warps(8192) == 8
-    # batch 128: 4096 (256 programs); 128K context (32768 keys): 8192 at batch 64 and 128 (at most 4 chunks)
-    assert cfg(B=128, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_FUSED"] == 4096
-    assert cfg(B=64, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_FUSED"] == 8192
-    assert cfg(B=128, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_FUSED"] == 8192
+    assert c["TOPK_FUSED"] == 0 and c["TOPK_SPLIT"] == 4096
+    # 128K context (32768 keys): 2048-entry chunks at batch 64 and 128 (186.2 / 331.1 against 196.8 / 406.0)
+    assert cfg(B=64, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_FUSED"] == 2048
+    assert cfg(B=128, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["TOPK_FUSED"] == 2048
+    # 8 warps gave other indices on the H200: every chunk takes 4
+    assert indexer.fused_warps(2048) == 4
     # a prefill chunk's rows count like decode rows (B * S)
-    assert cfg(B=8, S=8, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_FUSED"] == 2048
-    # Pro's top-1024: a chunk keeps at most half of what it scores (2048 at 8192 keys, batch 64)
-    assert cfg(B=64, S=1, HI=64, DI=128, N=8192, topk=1024, sms=132)["TOPK_FUSED"] == 2048
-    # rows too few to give every SM a program in at most 4 chunks: the separate split (or one program)
+    assert cfg(B=16, S=8, HI=64, DI=128, N=8192, topk=512, sms=132)["TOPK_FUSED"] == 1024
+    # Pro's top-1024: a chunk keeps at most half of what it scores (1024 cannot; 2048 at long rows can)
+    assert cfg(B=128, S=1, HI=64, DI=128, N=8192, topk=1024, sms=132)["TOPK_FUSED"] == 0
+    assert cfg(B=128, S=1, HI=64, DI=128, N=32768, topk=1024, sms=132)["TOPK_FUSED"] == 2048
+    # fewer than 64 rows (decode at batch 1-32): the separate split
     for B in (1, 16, 32):
-        c = cfg(B=B, S=1, HI=64, DI=128, N=8258, topk=512, sms=132)
+        c = cfg(B=B, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)
         assert c["TOPK_FUSED"] == 0 and c["TOPK_SPLIT"] > 0, B
     # short rows (at most 4096 scores: 16K context) never fuse, whatever the batch
     for B in (64, 128, 1024):
         assert cfg(B=B, S=1, HI=64, DI=128, N=4096, topk=512, sms=132)["TOPK_FUSED"] == 0
-        assert cfg(B=B, S=1, HI=64, DI=128, N=2048, topk=512, sms=132)["TOPK_FUSED"] == 0
-    # one more than 4096: 2048-entry chunks (3, the last one entry long)
-    assert cfg(B=64, S=1, HI=64, DI=128, N=4097, topk=512, sms=132)["TOPK_FUSED"] == 2048
-    # rows past 4 chunks of 8192 (past 128K context): not fused; ROCm: never
-    assert cfg(B=64, S=1, HI=64, DI=128, N=65536, topk=512, sms=132)["TOPK_FUSED"] == 0
-    assert cfg(B=64, S=1, HI=64, DI=128, N=8192, topk=512, sms=304, backend="hip")["TOPK_FUSED"] == 0
-    # a topk that no chunk of at most 8192 can halve
-    assert cfg(B=64, S=1, HI=64, DI=128, N=32768, topk=8192, sms=132)["TOPK_FUSED"] == 0
+    # candidates past the row kernel's row (TOPK_ROW): not fused; ROCm: never
+    assert cfg(B=64, S=1, HI=64, DI=128, N=1 << 18, topk=512, sms=132)["TOPK_FUSED"] == 0
+    assert cfg(B=128, S=1, HI=64, DI=128, N=8192, topk=512, sms=304, backend="hip")["TOPK_FUSED"] == 0
 
 
-def test_fused_launches_at_batch64_32k_and_the_override_back_to_the_split():
-    B, N, topk = 64, 8192, 512
+def test_fused_launches_at_batch128_32k_and_the_override_back_to_the_split():
+    B, N, topk = 128, 8192, 512
     m = dict(device="meta")
     q, w = torch.empty(B, 1, 64, 128, dtype=torch.bfloat16, **m), torch.empty(B, 1, 64, **m)
     keys, visible = torch.empty(B, N, 128, dtype=torch.bfloat16, **m), torch.empty(B, 1, dtype=I32, **m)
     (scoring, rows, loop), = indexer.indexer_launches(q, w, keys, visible, topk).groups
-    assert scoring.grid == (64, 4) and scoring.meta["TOPK_FUSED"] == 1 and scoring.meta["CHUNK"] == 2048
+    assert scoring.grid == (128, 8) and scoring.meta["TOPK_FUSED"] == 1 and scoring.meta["CHUNK"] == 1024
     assert scoring.meta["num_warps"] == 4 and scoring.meta["KPAD"] == 512
     assert loop is None and len(rows) == 1
-    assert rows[0].grid == (64,) and rows[0].meta["STAGE"] == 2 and rows[0].meta["ROW"] == 2048
+    assert rows[0].grid == (128,) and rows[0].meta["STAGE"] == 2 and rows[0].meta["ROW"] == 4096
     assert rows[0].args[0] is scoring.args[6] and rows[0].args[3] is scoring.args[5]  # stage 2 reads stage 1's
-    # TOPK_FUSED=0: the unfused scores launch, then the separate split's two stages
-    (scoring, rows, loop), = indexer.indexer_launches(q, w, keys, visible, topk, config=dict(TOPK_FUSED=0)).groups
+    # batch 64: the unfused scores launch, then the separate split's two stages
+    (scoring, rows, loop), = indexer.indexer_launches(q[:64], w[:64], keys[:64], visible[:64], topk).groups
     assert scoring.meta["TOPK_FUSED"] == 0 and [r.meta["STAGE"] for r in rows] == [1, 2]
-    # and a forced chunk where the default does not fuse (batch 1), with its warps by the chunk
+    # and a forced chunk where the default does not fuse (batch 1): 4 warps whatever the chunk
     (scoring, rows, _), = indexer.indexer_launches(q[:1], w[:1], keys[:1], visible[:1], topk,
                                                    config=dict(TOPK_FUSED=4096)).groups
-    assert scoring.grid == (1, 2) and scoring.meta["num_warps"] == 8 and rows[0].meta["ROW"] == 1024
+    assert scoring.grid == (1, 2) and scoring.meta["num_warps"] == 4 and rows[0].meta["ROW"] == 1024
     with pytest.raises(AssertionError, match="power of two"):
         indexer.indexer_launches(q, w, keys, visible, topk, config=dict(TOPK_FUSED=3000))
 

@@ -126,11 +126,11 @@ def _worker():
     split = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
              for n in gs.graph.nodes
              if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
-    # batch-64 decode at 32K context (8192 pool entries, top-512): the fused top-k (stage 1 in the
+    # batch-128 decode at 32K context (8192 pool entries, top-512): the fused top-k (stage 1 in the
     # scores kernel, then stage 2)
     with FakeTensorMode():
         gf = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 512)), tracing_mode="real")(
-            t(64, 1, HI, DI), t(64, 1, HI), t(64, 8192, DI), t(64, 1, dtype=torch.int32))
+            t(128, 1, HI, DI), t(128, 1, HI), t(128, 8192, DI), t(128, 1, dtype=torch.int32))
     fused = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
              for n in gf.graph.nodes
              if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]

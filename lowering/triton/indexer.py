@@ -428,36 +428,38 @@ def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
     return best
 
 
-# Chunks the fused top-k may cut a row into (powers of two): at least 2 * topk (a chunk keeps at most
-# half of what it scores), at most 8192 (the chunk's register row in the scores program).
-TOPK_FUSED_CHUNKS = (1024, 2048, 4096, 8192)
-# The most chunks a fused row is cut into: stage 2 then merges at most 4 * topk candidates (2048 at
-# top-512, a quarter of a 32K-context row), a short register row for one program per row.
-TOPK_FUSED_MAX_PARTS = 4
+# The fused top-k's chunks (4 warps): 1024 for rows up to 16K scores, 2048 for longer ones, where
+# rows x scores >= 2^20 and there are at least 64 rows (the H200 sweep, BENCHMARKS.md session 12).
+TOPK_FUSED_CHUNK_SHORT, TOPK_FUSED_CHUNK_LONG = 1024, 2048
+TOPK_FUSED_LONG_ROW = 16384
+TOPK_FUSED_MIN_ROWS, TOPK_FUSED_MIN_SCORES = 64, 1 << 20
 
 
-def topk_fused_chunk(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
+def topk_fused_chunk(rows: int, N: int, topk: int, row_limit: int) -> int:
     """The fused top-k's chunk for ``rows`` rows of ``N`` scores (0: not fused).
 
-    The largest chunk of ``TOPK_FUSED_CHUNKS`` that is shorter than the row, at least
-    ``2 * topk``, cuts the row in at most ``TOPK_FUSED_MAX_PARTS`` chunks (whose candidates fit
-    the row kernel, ``parts * topk <= row_limit``), and still gives every SM a scores program
-    (``rows * parts >= sms``). Rows of at most ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
-    if N <= TOPK_SPLIT_MIN_SCORES:
+    Measured on the H200 (``gpu_check.sh sweep-indexer-fused``, top-512, whole ``indexer_topk``):
+    64 rows x 8192 scores unfused 57.0 us, fused 2048 58.6, 1024 66.3 (not fused); 128 x 8192
+    113.6 / 107.9 / **101.5** (1024); 64 x 32768 196.8 / **186.2** (2048) / 200.8; 128 x 32768
+    406.0 / **331.1** (2048) / 346.2. So: at least 64 rows and 2^20 scores in all, chunk 2048 for
+    rows of 16K scores or more, else 1024; each chunk at least ``2 * topk`` (it keeps at most half
+    of what it scores) and the candidates of a row within the row kernel (``row_limit``). Rows of
+    at most ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
+    if N <= TOPK_SPLIT_MIN_SCORES or rows < TOPK_FUSED_MIN_ROWS or rows * N < TOPK_FUSED_MIN_SCORES:
         return 0
-    for chunk in sorted(TOPK_FUSED_CHUNKS, reverse=True):
-        parts = -(-N // chunk)
-        if chunk >= N or chunk < 2 * topk or parts > TOPK_FUSED_MAX_PARTS or parts * topk > row_limit:
-            continue
-        if rows * parts >= sms:
-            return chunk
-    return 0
+    chunk = TOPK_FUSED_CHUNK_LONG if N >= TOPK_FUSED_LONG_ROW else TOPK_FUSED_CHUNK_SHORT
+    return chunk if 2 * topk <= chunk < N and -(-N // chunk) * topk <= row_limit else 0
+
+
+# Warps of the fused scores program. 8 warps (2048-8192 chunks) gave other indices than the unfused
+# path on the H200 (session 12 sweep; the interpreter and 4 warps agree): not debugged, refused.
+FUSED_WARPS = 4
 
 
 def fused_warps(chunk: int) -> int:
-    """Warps of the fused scores program over ``chunk`` entries (``indexer_config``'s
-    ``fused_warps`` 0): 4 up to 2048 entries (16 a thread), 8 past them."""
-    return 4 if chunk <= 2048 else 8
+    """Warps of the fused scores program over ``chunk`` entries: 4 (16 entries a thread at 2048;
+    sm_90 cross-compile: 158 registers, no spill)."""
+    return FUSED_WARPS
 
 
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
@@ -486,18 +488,11 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     ``TOPK_FUSED`` entries (which replaces ``CHUNK``; ``fused_warps`` warps), then stage 2 as
     above. Once the rows alone give the scores kernel a program per SM, a separate stage 1 costs
     a launch and a second read of the scores, and one program per row leaves a long select
-    per program (B=64 x 32K on the H200: scores 36.8 us + split top-k 20.0 us). So a row of
-    more than ``TOPK_SPLIT_MIN_SCORES`` scores is fused with the largest chunk that still keeps
-    every SM busy (``rows * parts >= sms``), at least ``2 * topk`` long, in at most
-    ``TOPK_FUSED_MAX_PARTS`` chunks (stage 2 merges at most ``4 * topk`` candidates):
-    :func:`topk_fused_chunk`. B=64 x 8192 scores: 2048 (256 programs, the ``CHUNK`` the
-    unfused scores kernel takes there); B=128 x 8192: 4096; B=64 and 128 x 32768: 8192. Fewer
-    rows (decode at batch 1-32) keep the separate split. ``fused_warps`` (0: by the chunk,
-    :func:`fused_warps`): 4 (the scores kernel's) up to 2048-entry chunks, 8 past them: the
-    chunk's register row costs ~10 registers per entry a thread (sm_90 cross-compile: 2048
-    entries x 4 warps 158 registers; 4096 x 4 spills, x 8 140 registers; 8192 x 8 255, no
-    spill; x 16 spills). Not timed yet (``sweep_kernels.py --only fused``, ``gpu_check.sh
-    sweep-indexer-fused``); ``TOPK_FUSED=0`` gives the paths above for sweeps.
+    per program (B=64 x 32K on the H200: scores 36.8 us + split top-k 20.0 us). Where it pays
+    is measured, not modelled: :func:`topk_fused_chunk` (at least 64 rows and 2^20 scores; chunk
+    1024, or 2048 for rows of 16K scores or more), 4 warps (:func:`fused_warps`; an override of
+    8 gave other indices on the H200 and is for sweeps only, which check every config's output).
+    ``TOPK_FUSED=0`` gives the paths above.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
@@ -507,7 +502,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
-    fused = topk_fused_chunk(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
+    fused = topk_fused_chunk(B * S, N, topk, topk_row) if backend == "cuda" else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
                 TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg, TOPK_FUSED=fused, fused_warps=0,
