@@ -1,6 +1,6 @@
 """H200 check of the Gluon decode-attention prototype against the tl kernel and the reference.
 
-    PYTHONPATH=$PWD python3 benchmarks/gluon_attention_check.py [--sweep] [--batches 1 64 128]
+    PYTHONPATH=$PWD python3 benchmarks/gluon_attention_check.py [--sweep] [--batches 1 64 128] [--variants v0 v1]
 
 Inputs at V4-Flash decode widths (H=64, D=512, W=128 window rows of a 256-row ring, top-k
 K=512 of an 8192-entry pool = 32K context), some -1 indices in kv_idx / cmp_idx, random sink.
@@ -11,9 +11,13 @@ also exercises blocks straddling the segments and the ragged end).
 Per case: max abs error of the tl launcher and the Gluon launcher against the fp32 reference
 (``dsv4_ops.reference.sparse_attention`` on fp32 copies) and against each other, then both
 timed with CUDA graphs on L2-cold input copies (``benchmarks/timing.kernel_time``). One line
-a case: ``case B=.. tl_us=.. gluon_us=.. err_tl=.. err_gluon=..``. ``--sweep`` adds the Gluon
-kernel at BLOCK_N {32, 64} x NUM_STAGES {2, 3, 4} x splits {1, 2} (B = 64 and 128); configs that
-fail (e.g. more shared memory than an SM has) print their error's first line.
+a case: ``case B=.. tl_us=.. gluon_us=.. err_tl=.. err_gluon=..`` (the default variant and
+config). ``--sweep`` adds every variant of ``--variants`` (default: all) at its
+``SWEEP_CONFIGS`` (BLOCK_N x NUM_STAGES) x splits {1, 2} at ``--sweep-batches`` (64 128), each
+checked against the reference before it is timed; configs that fail (e.g. more shared memory
+than an SM has) print their error's first line and the sweep goes on. A variant whose kernel
+hangs (v1 synchronises its warpgroups through mbarriers) stops the run: variants run in the
+given order and every line is flushed.
 
 Exit code 1 if a Gluon result is further from the reference than 2 x the tl kernel's error +
 1e-2, or if the default Gluon config failed to run at all.
@@ -146,21 +150,30 @@ def run_case(B: int, mode: str, failures: list) -> list | None:
     return copies
 
 
-def sweep(B: int, mode: str, failures: list) -> None:
+# (BLOCK_N, NUM_STAGES) a variant is swept at, each at splits 1 and 2. v0: the session-12 sweep's
+# best two (its other configs were measured then); v1: shared memory allows 32 x <= 6 and
+# 64 x <= 3 (64 x 3 spills 176 B of registers at cross-compile; measured anyway)
+SWEEP_CONFIGS = {
+    "v0": [(32, 4), (64, 2)],
+    "v1": [(32, 4), (32, 6), (64, 2), (64, 3)],
+}
+
+
+def sweep(B: int, mode: str, variants: list, failures: list) -> None:
     dev = torch.device("cuda")
     inputs = make_inputs(B, mode, seed=B, dev=dev)
     want = reference(inputs)
     err_tl = err(tl_fn(*inputs), want)
     copies = copies_for(B, mode, inputs)
     log(f"sweep {mode} B={B}: tl_us={timed(tl_fn, copies):.1f} err_tl={err_tl:.3g}")
-    for block_n in (32, 64):
-        for stages in (2, 3, 4):
+    for variant in variants:
+        for block_n, stages in SWEEP_CONFIGS[variant]:
             for splits in (1, 2):
-                cfg = dict(block_n=block_n, num_stages=stages, num_splits=splits)
-                name = f"sweep {mode} B={B} BLOCK_N={block_n} NUM_STAGES={stages} splits={splits}"
+                cfg = dict(block_n=block_n, num_stages=stages, num_splits=splits, variant=variant)
+                name = f"sweep {mode} B={B} variant={variant} BLOCK_N={block_n} NUM_STAGES={stages} splits={splits}"
                 try:
                     fn = gluon_fn(**cfg)
-                    e = err(fn(*inputs), want)
+                    e = err(fn(*inputs), want)  # checked before it is timed
                     torch.cuda.synchronize()
                     us = timed(fn, copies)
                 except Exception as ex:
@@ -178,6 +191,10 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 128])
     ap.add_argument("--modes", nargs="+", default=["csa", "mixed"], choices=["csa", "mixed"])
     ap.add_argument("--sweep", action="store_true", help="also sweep the Gluon configs at B=64 and 128")
+    ap.add_argument("--variants", nargs="+", default=list(SWEEP_CONFIGS), choices=list(SWEEP_CONFIGS),
+                    help="kernel variants the sweep runs (lowering/gluon/sparse_attention.py VARIANTS); "
+                         "in this order, so a variant that hangs leaves the earlier lines printed")
+    ap.add_argument("--sweep-batches", type=int, nargs="+", default=[64, 128])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")
@@ -196,10 +213,10 @@ def main() -> int:
                 failures.append(f"{mode} B={B}: {first_line(e)}")
             torch.cuda.empty_cache()
     if args.sweep:
-        for B in (64, 128):
+        for B in args.sweep_batches:
             for mode in args.modes:
                 try:
-                    sweep(B, mode, failures)
+                    sweep(B, mode, args.variants, failures)
                 except Exception as e:
                     log(f"sweep {mode} B={B}: FAILED {first_line(e)}")
                 torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """The Gluon decode-attention prototype (``lowering/gluon/sparse_attention.py``) compiles for
 sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
 splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
-and the point of the kernel -- each warpgroup computes its own half of the scores.
+and the point of the kernel -- each warpgroup computes its own half of the scores (v0), or
+its own K half of every score from q in registers (v1).
 
 The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
 ``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
@@ -19,10 +20,16 @@ from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
-# the default (64-row blocks x 2 stages) and the 32-row x 4-stage config of the sweep
+# v0: the default (64-row blocks x 2 stages) and the 32-row x 4-stage config of the sweep
 CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
            "split1_n32": dict(num_splits=1, block_n=32, num_stages=4), "split2_n32": dict(num_splits=2, block_n=32,
-                                                                                           num_stages=4)}
+                                                                                           num_stages=4),
+           # v1 (q in registers, split-K scores, warp-specialized warpgroups) at its intended
+           # 32-row blocks x 6 stages; at 64 x 3 it fits shared memory but spills (176 B)
+           "v1_split1": dict(num_splits=1, block_n=32, num_stages=6, variant="v1"),
+           "v1_split2": dict(num_splits=2, block_n=32, num_stages=6, variant="v1")}
+V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant", "v0") == "v0"]
+V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v1"]
 SMEM_LIMIT = 232448
 
 
@@ -66,6 +73,12 @@ def _resources(compiled) -> dict:
     # wgmma.mma_async.sync.aligned.m64n<N>k16.f32.bf16.bf16: one N per distinct instruction shape
     res["wgmma_n"] = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)})
     res["wgmma_count"] = len(re.findall(r"wgmma\.mma_async", ptx))
+    # A operand from registers: "{acc regs}, {a regs}, descB"; from shared memory: "{acc}, descA"
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*(\{|%rd)", ptx)
+    res["wgmma_a_regs_n"] = sorted({int(n) for n, a in wgmma if a == "{"})
+    res["wgmma_a_smem_n"] = sorted({int(n) for n, a in wgmma if a != "{"})
+    res["wgmma_a_regs"] = sum(a == "{" for _, a in wgmma)
+    res["setmaxnreg"] = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
     res["cp_async"] = len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
     # masked lanes must zero-fill: cp.async with a src-size operand
     res["cp_async_zfill"] = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10,\s*%r",
@@ -134,7 +147,7 @@ def test_compiles_without_spills(compiled, config):
         assert res["stack"] == 0 and res["local"] in (0, -1), res
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", V0_CONFIGS)
 def test_scores_split_across_warpgroups(compiled, config):
     """Two wgmma shapes: the scores at N = BLOCK_N / 2 (each warpgroup its own columns; with
     warps [8, 1] it would be N = BLOCK_N and twice the instructions) and P @ rows at N = 256
@@ -145,6 +158,25 @@ def test_scores_split_across_warpgroups(compiled, config):
     assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
     # per block and warpgroup: D / 16 score steps + BLOCK_N / 16 P @ rows steps, one copy of each
     assert res["wgmma_count"] == D // 16 + block_n // 16, res
+
+
+@pytest.mark.parametrize("config", V1_CONFIGS)
+def test_v1_split_k_from_registers(compiled, config):
+    """v1: every wgmma reads A from registers (q for the scores, P for P @ rows: no descA), the
+    scores at N = BLOCK_N over K = D / 2 per warpgroup (D / 32 instructions each, in each of the
+    two partitions' code), P @ rows at N = D / 2; no shared q buffer (shared memory is the two
+    half-row rings, their bias slots, the two partial-score tiles and 4 mbarriers); both
+    partitions at the whole register file (256 a thread: 2 x 128 threads x 256 = 64K)."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    res, m = r["resources"], r["meta"]
+    bn, st = m["BLOCK_N"], m["NUM_STAGES"]
+    assert res["wgmma_a_smem_n"] == [] and res["wgmma_a_regs_n"] == sorted({bn, D // 2}), res
+    per_wg = (D // 2) // 16 + bn // 16
+    assert res["wgmma_count"] == res["wgmma_a_regs"] == 2 * per_wg, res
+    explicit = 2 * st * bn * (D // 2) * 2 + 2 * st * bn * 4 + 2 * H * bn * 4 + 4 * 8
+    assert explicit <= res["shared"] <= explicit + 1024, (explicit, res)
+    assert res["setmaxnreg"] and {int(n) for _, n in res["setmaxnreg"]} == {256}, res
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -158,6 +190,8 @@ def test_gather_is_cp_async_with_zero_fill(compiled, config):
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
+    assert compiled["v1_split1"]["launches"] == 1 and compiled["v1_split2"]["launches"] == 2
+    assert compiled["v1_split2"]["meta"]["num_warps"] == 4  # + a 4-warp worker partition
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ fp32 partials merged by its ``combine_kernel``). What differs is what ``tl`` can
   each of the two warpgroups computes its own ``BLOCK_N / 2`` columns. Triton's ``tl.dot``
   gives a dot that feeds another dot warps ``[8, 1]``: both warpgroups computed the same
   scores, re-reading q from shared memory twice as often (BENCHMARKS.md, design notes).
-- q is staged once in shared memory (the wgmma A operand); rows are gathered by ``cp.async``
+- (v0) q is staged once in shared memory (the wgmma A operand); rows are gathered by ``cp.async``
   into a ring of ``NUM_STAGES`` swizzled buffers that both dots read in place (``E^T`` for the
   scores is a permuted view). Masked lanes are zero-filled by cp.async (src-size 0).
 - P goes through a small shared buffer to ``acc[64, 512] += P @ rows``; each warpgroup owns
@@ -20,8 +20,20 @@ fp32 partials merged by its ``combine_kernel``). What differs is what ``tl`` can
 
 Ordering: cp.async writes and plain shared stores are generic-proxy writes that wgmma (async
 proxy) reads, hence ``fence_async_shared`` by the writing threads and then a CTA barrier
-before a wgmma reads them. Cross-compiled only (tests/test_gluon_cross_compile.py); not yet
-run on a GPU (benchmarks/gluon_attention_check.py is the check).
+before a wgmma reads them. Checked on the H200 (session 12: errors equal to the tl kernel's).
+
+Variants (``variant=`` of the launchers, ``VARIANTS``; the default stays ``v0``):
+
+- ``v0``: the kernel above (``sparse_attention_gluon_kernel``, 8 warps).
+- ``v1`` (``sparse_attention_gluon_qreg_kernel``, FlashMLA's split): q lives in registers, not
+  shared memory, and D is split instead of the score columns. A 4-warp default partition and a
+  4-warp worker partition (``gl.warp_specialize``) each own half of D: they gather their half
+  of every row into their own ring, compute partial scores ``q[:, half] @ rows[:, half]^T``
+  (wgmma A from registers), swap the fp32 partials through shared memory (mbarriers
+  ``xfull`` / ``xempty``, one tile a warpgroup), both do the softmax on the full scores, and
+  ``acc[:, half] += P @ rows[:, half]`` with P still in registers. No q buffer and no P
+  buffer: 32-row blocks fit 6 stages (215 KB), 64-row blocks 3 (231 KB, but those spill).
+  Cross-compiled only; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -29,16 +41,19 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
-__all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel", "gluon_launch", "NUM_WARPS"]
+__all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel", "sparse_attention_gluon_qreg_kernel",
+           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM = 64, 512
+QREG_WORKER_REGS = gl.constexpr(256)
 
 
 @gluon.jit
@@ -216,15 +231,223 @@ def sparse_attention_gluon_kernel(
         gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
 
 
-def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                 block_n: int = 64, num_stages: int = 2) -> dict:
-    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes.
+@gluon.jit
+def _wg_consumer(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    N_KV, N_CMP, W, K,
+    sq_b, sq_h,
+    skv_b, skv_n,
+    swi_b, swi_w,
+    sc_b, sc_n,
+    sci_b, sci_k,
+    scl_b,
+    so_b, so_h,
+    ring, bias_ring, xbuf, xfull, xempty,
+    WG: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
+    """One warpgroup of the ``qreg`` variant: channels ``[WG * D / 2, (WG + 1) * D / 2)`` of q,
+    of the rows (its own ring) and of the output; partial scores summed with the other one's."""
+    DH: gl.constexpr = D // 2
+    OTHER: gl.constexpr = 1 - WG
+    pid_t = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    scale_log2e = scale_log2e.to(gl.float32)
+    b = pid_t.to(gl.int64)
 
-    64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config of
-    the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at 32 x 4;
+    # gathers: a warp reads this warpgroup's 512 contiguous bytes of a row, 16 B a thread
+    gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, gather_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, gather_l)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, DH, 16])
+    # wgmma A operands from registers (k_width 2 at bf16): q for the scores, P for P @ rows
+    q_dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+    p_dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+
+    # q[:, own half] straight into the A-operand registers (64 a thread), once
+    offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_dl))
+    offs_qd = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, q_dl))
+    q = gl.load(q_ptr + b * sq_b + offs_qh[:, None] * sq_h + offs_qd[None, :])
+
+    offs_d = WG * DH + gl.arange(0, DH, layout=cols_l)
+    clen = gl.load(cmp_len_ptr + b * scl_b)
+    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
+    total = W + K + clen
+    if NUM_SPLITS > 1:
+        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = pid_sp * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = 0
+        hi = total
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    kv_row0 = kv_ptr + b * skv_b
+    cmp_row0 = cmp_ptr + b * sc_b
+    widx_row = kv_idx_ptr + b * swi_b
+    cidx_row = cmp_idx_ptr + b * sci_b
+
+    for st in gl.static_range(NUM_STAGES - 1):
+        v = lo + st * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+        cp.commit_group()
+    idx = _entry_index(v + BLOCK_N, W, K, widx_row, swi_w, cidx_row, sci_k)
+    cp.wait_group(NUM_STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()  # this warpgroup's (a named barrier inside a partition)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DH], gl.float32, o_l))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    # P of the P @ rows in flight: a dependency of the wait, so its registers stay untouched
+    # until that wgmma has read them
+    p = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, p_dl)
+    my_x = xbuf.index(WG)
+    other_x = xbuf.index(OTHER)
+    # Per block: two barriers of this warpgroup (named, 128 threads) and two mbarrier waits on
+    # the other one (its partial written; its read of ours done). Rows never cross warpgroups.
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        e = ring.index(slot)
+        s_part = warpgroup_mma(q, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_part, acc, p = warpgroup_mma_wait(0, deps=[s_part, acc, p])
+        # the other warpgroup has read our partial of block j - 1 (phase 0: the initial arrive)
+        mbarrier.wait(xempty.index(WG), j & 1)
+        my_x.store(s_part)
+        gl.thread_barrier()  # B1: our partial stored; our P @ rows of block j - 1 done
+        mbarrier.arrive(xfull.index(WG))
+        # refill the slot of block j - 1 (its P @ rows, the last reader, is done)
+        nxt = (j + NUM_STAGES - 1) % NUM_STAGES
+        # v is recomputed, not carried: BLOCK_N / 4 registers a thread fewer across the loop
+        v = lo + (j + NUM_STAGES - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
+        _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+        cp.commit_group()
+        # the next refill's indices, a block ahead (their load latency off the refill's path)
+        idx = _entry_index(v + BLOCK_N, W, K, widx_row, swi_w, cidx_row, sci_k)
+        bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
+        mbarrier.wait(xfull.index(OTHER), j & 1)
+        # s0 + s1 in one warpgroup, s1 + s0 in the other: the same bits, so both hold the
+        # same m and l and either may write them
+        s = s_part + other_x.load(s_l)
+        logits = s * scale_log2e + bias[None, :]
+        m_new = gl.maximum(m_i, gl.max(logits, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p = gl.convert_layout(p.to(gl.bfloat16), p_dl)
+        cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
+        fence_async_shared()
+        gl.thread_barrier()  # B2: block j + 1's rows visible; the other's partial read
+        mbarrier.arrive(xempty.index(OTHER))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
+        acc = warpgroup_mma(p, e, acc, is_async=True)
+    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    cp.wait_group(0)
+
+    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_o = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
+    offs_hs = gl.arange(0, BLOCK_H, layout=row_l)
+    if NUM_SPLITS == 1:
+        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(m_i, sink)
+        alpha = gl.exp2(m_i - m_f)
+        denom = l_i * alpha + gl.exp2(sink - m_f)
+        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
+        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+    else:
+        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
+        if WG == 0:
+            gl.store(part_m_ptr + row + offs_hs, m_i)
+            gl.store(part_l_ptr + row + offs_hs, l_i)
+        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+
+
+@gluon.jit
+def sparse_attention_gluon_qreg_kernel(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    N_KV, N_CMP, W, K,
+    sq_b, sq_h,
+    skv_b, skv_n,
+    swi_b, swi_w,
+    sc_b, sc_n,
+    sci_b, sci_k,
+    scl_b,
+    so_b, so_h,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
+    """Variant ``qreg``: launched with 4 warps (the default partition, warpgroup 0) plus a
+    4-warp worker partition (warpgroup 1), the same code on the other half of D."""
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
+    gl.static_assert(NUM_STAGES >= 2)
+    DH: gl.constexpr = D // 2
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DH], gl.bfloat16)
+    bias_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    # the scores' accumulator layout stores 8 rows x 32 B a warp instruction: 16-byte units
+    # XOR-swizzled by row put those rows in different banks (unswizzled, a 128- or 256-byte
+    # row pitch would stack them in the same 32 bytes)
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    ring0 = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DH], e_sl)
+    ring1 = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DH], e_sl)
+    bias0 = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
+    bias1 = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
+    # one fp32 partial-score tile a warpgroup: single-buffered (xempty guards the reuse) so that
+    # 64-row blocks fit 3 stages
+    xbuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H, BLOCK_N], x_sl)
+    xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    xempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(xfull.index(i), count=1)
+        mbarrier.init(xempty.index(i), count=1)
+        mbarrier.arrive(xempty.index(i))  # phase 0: nothing to wait for at block 0
+    # the argument tuples are spelled out: ``tuple + tuple`` would unwrap the constexprs
+    gl.warp_specialize([
+        (_wg_consumer, (q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+                        part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2e, N_KV, N_CMP, W, K, sq_b, sq_h, skv_b,
+                        skv_n, swi_b, swi_w, sc_b, sc_n, sci_b, sci_k, scl_b, so_b, so_h,
+                        ring0, bias0, xbuf, xfull, xempty, 0, D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
+        (_wg_consumer, (q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+                        part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2e, N_KV, N_CMP, W, K, sq_b, sq_h, skv_b,
+                        skv_n, swi_b, swi_w, sc_b, sc_n, sci_b, sci_k, scl_b, so_b, so_h,
+                        ring1, bias1, xbuf, xfull, xempty, 1, D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
+    ], [4], [QREG_WORKER_REGS])
+
+
+# variant -> (kernel, num_warps of the launch); module docstring: what each one changes
+VARIANTS = {
+    "v0": (sparse_attention_gluon_kernel, NUM_WARPS),
+    "v1": (sparse_attention_gluon_qreg_kernel, 4),
+}
+
+
+def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
+                 block_n: int = 64, num_stages: int = 2, variant: str = "v0") -> dict:
+    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the
+    kernel and warp count of ``variant`` (VARIANTS).
+
+    v0 at 64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config
+    of the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at 32 x 4;
     a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
-    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"])
+    kernel, num_warps = VARIANTS[variant]
+    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"], kernel=kernel,
+                num_warps=num_warps)
 
 
 def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
@@ -255,7 +478,7 @@ def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=64, num_stages=2,
-                 out=None):
+                 out=None, variant="v0"):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
@@ -277,7 +500,8 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     if K == 0:
         cmp_idx = cmp_len[..., None]
     # the entries the split rule plans for: the tl launcher's (window + picked, or the whole pool)
-    cfg = gluon_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages)
+    cfg = gluon_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages,
+                       variant)
     splits = cfg["NUM_SPLITS"]
     if out is None:
         out = torch.empty_like(q)
@@ -295,8 +519,8 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
-                num_warps=NUM_WARPS)
-    launches = [(sparse_attention_gluon_kernel, (B, splits), args, meta)]
+                num_warps=cfg["num_warps"])
+    launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
         launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
@@ -306,11 +530,11 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=64, num_stages=2, out=None) -> torch.Tensor:
+                           block_n=64, num_stages=2, out=None, variant="v0") -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
     (H = 64, D = 512, S = 1, float caches); ValueError for anything else."""
     out, launches = gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,
-                                 num_stages, out)
+                                 num_stages, out, variant)
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta)
     return out
