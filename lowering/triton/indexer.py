@@ -463,7 +463,7 @@ def fused_warps(chunk: int) -> int:
 
 
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
-                   backend: str = "cuda") -> dict:
+                   backend: str = "cuda", keys_fp8: bool = False) -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
 
     Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
@@ -492,7 +492,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     is measured, not modelled: :func:`topk_fused_chunk` (at least 64 rows and 2^20 scores; chunk
     1024, or 2048 for rows of 16K scores or more), 4 warps (:func:`fused_warps`; an override of
     8 gave other indices on the H200 and is for sweeps only, which check every config's output).
-    ``TOPK_FUSED=0`` gives the paths above.
+    ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
@@ -502,7 +502,9 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     chunk = min(max(block_n, next_pow2(per_program)), 2048)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
-    fused = topk_fused_chunk(B * S, N, topk, topk_row) if backend == "cuda" else 0
+    # FP8 keys: the fused path measured slower (B=64 x 128K 205.6 against 187.4 us, B=128 x 32K
+    # 97.5 against 89.9; BENCHMARKS.md session 12): their scores pass is not bytes-bound
+    fused = topk_fused_chunk(B * S, N, topk, topk_row) if backend == "cuda" and not keys_fp8 else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
                 TOPK_ROW=topk_row, TOPK_BITS=5, TOPK_SPLIT=seg, TOPK_FUSED=fused, fused_warps=0,
@@ -662,8 +664,8 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         return IndexerLaunches(out, ())
     G = S if scores is not None else token_group(B, S, N, budget)
     if G == S:  # every decode step: one [B, S, N] scratch, no views
-        cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
-               **(config or {})}
+        cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
+                                keys.dtype == torch.uint8), **(config or {})}
         if cfg.get("TOPK_FUSED", 0):
             return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg),))
         scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
@@ -672,8 +674,8 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     groups = []
     for s0 in range(0, S, G):
         s1 = min(S, s0 + G)
-        cfg = {**indexer_config(B, s1 - s0, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend()),
-               **(config or {})}
+        cfg = {**indexer_config(B, s1 - s0, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
+                                keys.dtype == torch.uint8), **(config or {})}
         # the scores kernel writes rows [0, s1 - s0) of the scratch; the top-k reads those rows and
         # writes the group's rows of out
         if cfg.get("TOPK_FUSED", 0):
