@@ -1,1 +1,5 @@
-"""Gluon (Triton's explicit-layout dialect) prototypes of hot kernels; not wired into the ops."""
+"""Gluon (Triton's explicit-layout dialect) kernels for what ``tl`` cannot express.
+
+``sparse_attention``: bf16 decode attention on sm_90, reached through the opaque op
+``dsv4::sparse_attention_sm90`` (``dsv4_ops/ops/attention_sm90.py``) that ``dsv4::sparse_attention``
+routes to; the Triton kernel stays the fallback everywhere else and in AOTInductor packages."""

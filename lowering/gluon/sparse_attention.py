@@ -1,4 +1,8 @@
-"""Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1): a prototype.
+"""Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1).
+
+What ``dsv4::sparse_attention`` runs for bf16 decode at V4's widths on an sm_90 GPU (routed by
+``dsv4_ops/ops/attention_sm90.py``): CSA B=64 x 32K 37.8 us against the tl kernel's 48.0
+(H200, session 12; BENCHMARKS.md).
 
 Same contract and launch split as ``lowering.triton.sparse_attention`` (one program per token
 and split, the virtual entry list window | picked | dense prefix, sink folded at the end, the
@@ -33,7 +37,9 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default stays ``v0``)
   ``xfull`` / ``xempty``, one tile a warpgroup), both do the softmax on the full scores, and
   ``acc[:, half] += P @ rows[:, half]`` with P still in registers. No q buffer and no P
   buffer: 32-row blocks fit 6 stages (215 KB), 64-row blocks 3 (231 KB, but those spill).
-  Cross-compiled only; not yet run on a GPU.
+  Correct on the H200 but no faster than v0 (CSA B=64 x 32K: 39.7 against 36.7 us; B=128:
+  56.6 against 57.7; session 12), so not the default: it halves the score columns' smem reads
+  but doubles the score wgmma count, and both warpgroups run the softmax.
 """
 from __future__ import annotations
 
