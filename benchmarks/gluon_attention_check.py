@@ -1,6 +1,7 @@
 """H200 check of the Gluon decode-attention prototype against the tl kernel and the reference.
 
-    PYTHONPATH=$PWD python3 benchmarks/gluon_attention_check.py [--sweep] [--batches 1 64 128] [--variants v0 v1]
+    PYTHONPATH=$PWD python3 benchmarks/gluon_attention_check.py [--sweep] [--batches 1 64 128] [--variants v0 v1 v2]
+    PYTHONPATH=$PWD python3 benchmarks/gluon_attention_check.py --diagnose [--diag-batches 64 128]
 
 Inputs at V4-Flash decode widths (H=64, D=512, W=128 window rows of a 256-row ring, top-k
 K=512 of an 8192-entry pool = 32K context), some -1 indices in kv_idx / cmp_idx, random sink.
@@ -18,6 +19,12 @@ checked against the reference before it is timed; configs that fail (e.g. more s
 than an SM has) print their error's first line and the sweep goes on. A variant whose kernel
 hangs (v1 synchronises its warpgroups through mbarriers) stops the run: variants run in the
 given order and every line is flushed.
+
+``--diagnose`` runs only this: the default v0 config timed with each of its DIAG switches
+(``lowering/gluon/sparse_attention.py``: no row copies after the prologue, no P @ rows, no
+softmax, no index loads, no copies and no index loads, one block, no block) at
+``--diag-batches`` x ``--modes``, one line each: ``diag MODE B=.. NAME: us=.. delta=..`` (delta
+against the default of that case). The switches make the results wrong: nothing is checked.
 
 Exit code 1 if a Gluon result is further from the reference than 2 x the tl kernel's error +
 1e-2, or if the default Gluon config failed to run at all.
@@ -152,11 +159,48 @@ def run_case(B: int, mode: str, failures: list) -> list | None:
 
 # (BLOCK_N, NUM_STAGES) a variant is swept at, each at splits 1 and 2. v0: the session-12 sweep's
 # best two (its other configs were measured then); v1: shared memory allows 32 x <= 6 and
-# 64 x <= 3 (64 x 3 spills 176 B of registers at cross-compile; measured anyway)
+# 64 x <= 3 (64 x 3 spills 176 B of registers at cross-compile; measured anyway); v2: needs
+# >= 3 stages, 32 x 5 and 64 x 3 exceed shared memory, so 32 x 3 (the refill waited for in the
+# iteration that issues it) and 32 x 4 (a whole iteration for it)
 SWEEP_CONFIGS = {
     "v0": [(32, 4), (64, 2)],
     "v1": [(32, 4), (32, 6), (64, 2), (64, 3)],
+    "v2": [(32, 3), (32, 4)],
 }
+
+# --diagnose: (name, diag switches) of the v0 default config, each timed against the default
+DIAG_RUNS = [
+    ("default", {}),
+    ("no_gather", dict(no_gather=True)),
+    ("no_pv", dict(no_pv=True)),
+    ("no_softmax", dict(no_softmax=True)),
+    ("no_index", dict(no_index=True)),
+    ("no_gather+no_index", dict(no_gather=True, no_index=True)),
+    ("max_blocks=1", dict(max_blocks=1)),
+    ("max_blocks=0", dict(max_blocks=0)),
+]
+
+
+def diagnose(B: int, mode: str) -> None:
+    """One line a DIAG_RUNS entry; a config that fails prints its error's first line."""
+    dev = torch.device("cuda")
+    inputs = make_inputs(B, mode, seed=B, dev=dev)
+    copies = copies_for(B, mode, inputs)
+    base = None
+    for name, diag in DIAG_RUNS:
+        try:
+            fn = gluon_fn(diag=diag)
+            fn(*inputs)  # compile outside the timing
+            torch.cuda.synchronize()
+            us = timed(fn, copies)
+        except Exception as ex:
+            log(f"diag {mode} B={B} {name}: FAILED {first_line(ex)}")
+            torch.cuda.synchronize()
+            continue
+        if name == "default":
+            base = us
+        delta = f"{us - base:+.1f}" if base is not None else "n/a"
+        log(f"diag {mode} B={B} {name}: us={us:.1f} delta={delta}")
 
 
 def sweep(B: int, mode: str, variants: list, failures: list) -> None:
@@ -195,12 +239,24 @@ def main() -> int:
                     help="kernel variants the sweep runs (lowering/gluon/sparse_attention.py VARIANTS); "
                          "in this order, so a variant that hangs leaves the earlier lines printed")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--diagnose", action="store_true",
+                    help="only time the v0 default against each of its DIAG switches (results wrong, unchecked)")
+    ap.add_argument("--diag-batches", type=int, nargs="+", default=[64, 128])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")
         return 2
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton "
         f"{__import__('triton').__version__}")
+    if args.diagnose:
+        for B in args.diag_batches:
+            for mode in args.modes:
+                try:
+                    diagnose(B, mode)
+                except Exception as e:  # inputs or copies: report, go on
+                    log(f"diag {mode} B={B}: FAILED {first_line(e)}")
+                torch.cuda.empty_cache()
+        return 0
     failures: list[str] = []
     for B in args.batches:
         for mode in args.modes:

@@ -2,7 +2,8 @@
 sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
 splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
 and the point of the kernel -- each warpgroup computes its own half of the scores (v0), or
-its own K half of every score from q in registers (v1).
+its own K half of every score from q in registers (v1), and the next block's scores in flight
+through this block's softmax (v2).
 
 The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
 ``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
@@ -27,9 +28,14 @@ CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
            # v1 (q in registers, split-K scores, warp-specialized warpgroups) at its intended
            # 32-row blocks x 6 stages; at 64 x 3 it fits shared memory but spills (176 B)
            "v1_split1": dict(num_splits=1, block_n=32, num_stages=6, variant="v1"),
-           "v1_split2": dict(num_splits=2, block_n=32, num_stages=6, variant="v1")}
+           "v1_split2": dict(num_splits=2, block_n=32, num_stages=6, variant="v1"),
+           # v2 (the next block's scores issued before this block's softmax) at 32 x 4; 32 x 3 also
+           # fits, 64 x 3 does not (271,616 B) and spills
+           "v2_split1": dict(num_splits=1, block_n=32, num_stages=4, variant="v2"),
+           "v2_split2": dict(num_splits=2, block_n=32, num_stages=4, variant="v2")}
 V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant", "v0") == "v0"]
 V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v1"]
+V2_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v2"]
 SMEM_LIMIT = 232448
 
 
@@ -62,6 +68,29 @@ def _source(kernel, args, meta, gluon):
     return cls(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+def _ex2_under_scores(ptx: str) -> list:
+    shapes = [int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)]
+    if not shapes:
+        return []
+    score_n, counts, group, count = min(shapes), [], None, None
+    for line in ptx.splitlines():
+        line = line.split("//")[0].strip()
+        m = re.match(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", line)
+        if m:
+            group = "score" if int(m.group(1)) == score_n else "other"
+        elif line.startswith("wgmma.commit_group"):
+            if count is not None:  # a commit before any wait: close the open count there
+                counts.append(count)
+            count = 0 if group == "score" else None
+        elif line.startswith("wgmma.wait_group"):
+            if count is not None:
+                counts.append(count)
+            count = None
+        elif count is not None and line.startswith("ex2."):
+            count += 1
+    return counts
+
+
 def _resources(compiled) -> dict:
     import subprocess
     import tempfile
@@ -83,7 +112,20 @@ def _resources(compiled) -> dict:
     # masked lanes must zero-fill: cp.async with a src-size operand
     res["cp_async_zfill"] = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10,\s*%r",
                                            ptx))
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    # per group of score wgmmas (N = the smallest shape): ex2 instructions between its commit and
+    # the next wgmma wait -- the softmax running while those scores are in flight (v2), or none
+    # (v0: the scores are waited for before their own softmax)
+    res["ex2_under_scores"] = _ex2_under_scores(ptx)
+    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
+    if (bin_dir / "ptxas").exists():
+        # ptxas C7514: it found a register of an in-flight wgmma touched (or could not prove it
+        # was not) and serialized every wgmma of the kernel -- what keeps async wgmma async
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "k.ptx").write_text(ptx)
+            text = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-o", str(Path(d) / "k.cubin"),
+                                   str(Path(d) / "k.ptx")], capture_output=True, text=True).stderr
+        res["wgmma_serialized"] = "C7514" in text
+    cuobjdump = bin_dir / "cuobjdump"
     if cuobjdump.exists():
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
@@ -179,6 +221,35 @@ def test_v1_split_k_from_registers(compiled, config):
     assert res["setmaxnreg"] and {int(n) for _, n in res["setmaxnreg"]} == {256}, res
 
 
+@pytest.mark.parametrize("config", V0_CONFIGS + V2_CONFIGS)
+def test_wgmma_not_serialized(compiled, config):
+    """ptxas keeps the async wgmmas async (no C7514): v2 carries S(j + 1) in flight through a
+    loop iteration, which is what ptxas rejects if a move of those registers precedes their wait
+    (one block an iteration at split 1) or the wait is not wait_group 0 (wait(1) at the top)."""
+    res = compiled[config]["resources"]
+    if "wgmma_serialized" not in res:
+        pytest.skip("no ptxas in this Triton wheel")
+    assert res["wgmma_serialized"] is False, res
+
+
+@pytest.mark.parametrize("config", V0_CONFIGS + V2_CONFIGS)
+def test_scores_in_flight_through_softmax(compiled, config):
+    """v2: some group of score wgmmas is still in flight (committed, not yet waited for) while ex2
+    instructions of the softmax run -- the next block's scores under this block's softmax; v0
+    waits for its scores before any ex2. One scores group in the prologue and one in each half
+    of v2's two-block loop body; each warpgroup issues the wgmmas of both dots: D / 16 score
+    steps a group, BLOCK_N / 16 P @ rows steps."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
+    assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
+    if CONFIGS[config].get("variant", "v0") == "v2":
+        assert max(res["ex2_under_scores"]) > 0, res
+        assert res["wgmma_count"] == D // 16 + 2 * (D // 16 + block_n // 16), res
+    else:
+        assert res["ex2_under_scores"] and max(res["ex2_under_scores"]) == 0, res
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_gather_is_cp_async_with_zero_fill(compiled, config):
     """Rows are gathered by 16-byte cp.async whose src-size is a register (0 for masked lanes:
@@ -192,6 +263,7 @@ def test_split_launch_uses_combine(compiled):
     assert compiled["split2"]["grid"] == [B, 2]
     assert compiled["v1_split1"]["launches"] == 1 and compiled["v1_split2"]["launches"] == 2
     assert compiled["v1_split2"]["meta"]["num_warps"] == 4  # + a 4-warp worker partition
+    assert compiled["v2_split1"]["launches"] == 1 and compiled["v2_split2"]["launches"] == 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,21 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default stays ``v0``)
   Correct on the H200 but no faster than v0 (CSA B=64 x 32K: 39.7 against 36.7 us; B=128:
   56.6 against 57.7; session 12), so not the default: it halves the score columns' smem reads
   but doubles the score wgmma count, and both warpgroups run the softmax.
+- ``v2`` (``sparse_attention_gluon_lookahead_kernel``; cross-compiled only): v0 with the scores of
+  block j + 1 issued (async) before the softmax of block j, so the tensor cores run under the
+  softmax (FA3's intra-warpgroup overlap); two score accumulators live. Needs >= 3 ring slots
+  (blocks j, j + 1, j + 2 at once: the invariant is in its docstring), so 32-row blocks x 3 or
+  4 stages (64 x 3: 271,616 B of shared memory). 32 x 4: 232 registers, no spills, 201,728 B;
+  two blocks an iteration and wait_group 0 only, or ptxas serializes the wgmmas (C7514).
+
+Diagnostics (v0 only; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
+difference on the GPU (``benchmarks/gluon_attention_check.py --diagnose``); results are wrong:
+``no_gather`` no row copies after the prologue (blocks reuse the slots already loaded; index
+loads and bias stores stay), ``no_pv`` no P @ rows (P still stored), ``no_softmax`` P = the
+scaled scores (no exp2, no max exchange; Triton's membar pass puts a CTA barrier where B1 was,
+for the bias ring), ``no_index`` contiguous rows of each segment instead of kv_idx / cmp_idx
+(no index loads; no -1 holes, so ~10% more rows), ``max_blocks=N`` at most N blocks a program
+(0: launch, prologue and epilogue). Off, the PTX is identical to the kernel without them.
 """
 from __future__ import annotations
 
@@ -55,7 +70,8 @@ from ..triton._launch import sm_count
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel", "sparse_attention_gluon_qreg_kernel",
-           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS"]
+           "sparse_attention_gluon_lookahead_kernel",
+           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS", "DIAG"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM = 64, 512
@@ -73,14 +89,28 @@ def _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
 
 
 @gluon.jit
-def _issue_rows(buf, bias_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, offs_d):
+def _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, NO_INDEX: gl.constexpr):
+    """``_entry_index``, or (diagnostics, ``NO_INDEX``) contiguous rows of each segment with no
+    index load: every entry valid, the rows' bytes the same, only the index latency gone."""
+    if NO_INDEX:
+        idx = gl.where(v < W, v, gl.where(v < W + K, v - W, v - W - K))
+    else:
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    return idx
+
+
+@gluon.jit
+def _issue_rows(buf, bias_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, offs_d,
+                NO_COPY: gl.constexpr = False):
     """cp.async the rows of entries ``v`` into ``buf`` (invalid lanes: zeros, no memory read)
-    and store their score bias (0 or -inf) into ``bias_buf``."""
+    and store their score bias (0 or -inf) into ``bias_buf``. ``NO_COPY`` (diagnostics only):
+    the bias store stays (it keeps the index loads alive), the copy goes."""
     in_w = v < W
     valid = (v < hi) & (idx >= 0) & (idx < gl.where(in_w, N_KV, N_CMP))
     idx64 = gl.where(valid, idx, 0).to(gl.int64)
     row = gl.where(in_w, kv_row0 + idx64 * skv_n, cmp_row0 + idx64 * sc_n)
-    cp.async_copy_global_to_shared(buf, row[:, None] + offs_d[None, :], mask=valid[:, None])
+    if not NO_COPY:
+        cp.async_copy_global_to_shared(buf, row[:, None] + offs_d[None, :], mask=valid[:, None])
     bias_buf.store(gl.where(valid, 0.0, float("-inf")))
 
 
@@ -99,7 +129,12 @@ def sparse_attention_gluon_kernel(
     so_b, so_h,
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
+    DIAG_NO_GATHER: gl.constexpr = False, DIAG_NO_PV: gl.constexpr = False, DIAG_NO_SOFTMAX: gl.constexpr = False,
+    DIAG_NO_INDEX: gl.constexpr = False, DIAG_MAX_BLOCKS: gl.constexpr = -1,
 ):
+    """The DIAG_* switches (``gluon_launch(diag=...)``, module docstring) each remove one stage
+    for timing by difference; results are then wrong. Off (the defaults), the PTX is the same
+    as without them."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(NUM_STAGES >= 2)
     pid_t = gl.program_id(0)  # query token b (S = 1)
@@ -151,6 +186,8 @@ def sparse_attention_gluon_kernel(
         lo = 0
         hi = total
     n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    if DIAG_MAX_BLOCKS >= 0:  # the program's fixed cost (0) and one block's (1 - 0)
+        n_blocks = gl.minimum(n_blocks, DIAG_MAX_BLOCKS)
 
     kv_row0 = kv_ptr + b * skv_b
     cmp_row0 = cmp_ptr + b * sc_b
@@ -159,13 +196,13 @@ def sparse_attention_gluon_kernel(
 
     # prologue: NUM_STAGES - 1 blocks in flight (blocks past hi are all-masked: no traffic)
     v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
-    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
     for st in gl.static_range(NUM_STAGES - 1):
         _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, sc_n, offs_d)
         cp.commit_group()
         v = v + BLOCK_N
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
     cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block 0 landed
     fence_async_shared()  # ... and are visible to wgmma (async proxy)
     gl.thread_barrier()  # ... every thread's
@@ -188,32 +225,41 @@ def sparse_attention_gluon_kernel(
         bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])
         logits = s * scale_log2e + bias[None, :]
-        # row max of this warpgroup's columns ([BLOCK_H, 2]: axis 1 is the warpgroup, so the
-        # reduction stays within warps), exchanged through shared memory
-        m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-        red_smem.store(m_wg)
-        gl.thread_barrier()  # B1
-        m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
+        if not DIAG_NO_SOFTMAX:
+            # row max of this warpgroup's columns ([BLOCK_H, 2]: axis 1 is the warpgroup, so the
+            # reduction stays within warps), exchanged through shared memory
+            m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+            red_smem.store(m_wg)
+            gl.thread_barrier()  # B1
+            m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
         # refill the slot of block j - 1 with block j + NUM_STAGES - 1
         nxt = (j + NUM_STAGES - 1) % NUM_STAGES
         _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
         cp.commit_group()
         v = v + BLOCK_N
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
 
-        m_new = gl.maximum(m_i, m_blk)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha[:, None] + p
-        m_i = m_new
+        if DIAG_NO_SOFTMAX:  # P = the scores as they are; no max, no exp2, no rescale
+            p = logits
+            l_i = l_i + p
+        else:
+            m_new = gl.maximum(m_i, m_blk)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(logits - m_safe[:, None])
+            l_i = l_i * alpha[:, None] + p
+            m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
         cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
         fence_async_shared()  # P and those rows visible to wgmma
         gl.thread_barrier()  # B2
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
-        acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+        if not DIAG_NO_SOFTMAX:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
+        if DIAG_NO_PV:  # P stays stored (unread); the accumulator only rescaled
+            acc = warpgroup_mma_init(acc)
+        else:
+            acc = warpgroup_mma(p_smem, e, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
     cp.wait_group(0)  # no copy may outlive the program's shared memory
     l_i = gl.sum(l_i, 1)
@@ -232,6 +278,178 @@ def sparse_attention_gluon_kernel(
         H: gl.constexpr = BLOCK_H
         row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * H
         offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+        gl.store(part_m_ptr + row + offs_hs, m_i)
+        gl.store(part_l_ptr + row + offs_hs, l_i)
+        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+
+
+@gluon.jit
+def sparse_attention_gluon_lookahead_kernel(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    N_KV, N_CMP, W, K,
+    sq_b, sq_h,
+    skv_b, skv_n,
+    swi_b, swi_w,
+    sc_b, sc_n,
+    sci_b, sci_k,
+    scl_b,
+    so_b, so_h,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+):
+    """Variant v2: v0 with the scores of block j + 1 issued before the softmax of block j, so
+    that the tensor cores compute S(j + 1) while the CUDA cores run softmax(j).
+
+    Per warpgroup and block j: wait(0) (S(j) and PV(j - 1) done), issue S(j + 1), softmax(j)
+    with B1 (row max exchange) and B2 (P published), issue PV(j). Two score accumulators are
+    live through the softmax: s (block j, read) and s_nxt (block j + 1, in flight). Only
+    wait(0) completes a wgmma that crosses the loop's back edge: with wait(1) at the top (to
+    keep PV(j - 1) running into the softmax too) ptxas cannot tell which group completed and
+    serializes every wgmma of the kernel (C7514), so PV(j) still runs exposed, as in v0.
+
+    Ring invariant (block b in slot b % NUM_STAGES). Readers of a slot: S(b), issued at the top
+    of iteration b - 1, and PV(b), issued at the end of iteration b and waited for by each
+    warpgroup at the top of iteration b + 1. So the slot of block j - 1 is free after B1(j)
+    (both warpgroups past that wait), where it is refilled with block j + NUM_STAGES - 1; and
+    S(j + 2), issued at the top of iteration j + 1, needs block j + 2 published by B2(j). Blocks
+    j (PV to come), j + 1 (S in flight) and j + 2 (landing) hold slots at once: NUM_STAGES >= 3.
+    With 3, the block waited for at B2(j) is the one issued at B1(j) (v0's exposure at 2
+    stages); 4 give its copies a whole iteration. cp.async groups: NUM_STAGES - 1 in the
+    prologue and one an iteration (after B1), so at B2(j) blocks 0 .. j + NUM_STAGES - 1 are
+    committed and block j + 2 has landed once at most NUM_STAGES - 3 are pending (in the
+    prologue: blocks 0 and 1 for S(0) and S(1)). P is single-buffered: P(j) is stored after
+    B1(j), when PV(j - 1), its reader, is done in both warpgroups. The loop's last block issues
+    S on an all-masked (zero) block past hi: wasted tensor work, cheaper than a branch.
+    """
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    gl.static_assert(NUM_STAGES >= 3, "blocks j (PV), j + 1 (S in flight) and j + 2 (landing) need 3 slots")
+    pid_t = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    scale_log2e = scale_log2e.to(gl.float32)
+    b = pid_t.to(gl.int64)
+
+    # layouts: v0's (sparse_attention_gluon_kernel)
+    gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, gather_l)
+    cols_l: gl.constexpr = gl.SliceLayout(0, gather_l)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, D // 2, 16])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    red_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    pair_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
+    bias_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+    offs_d = gl.arange(0, D, layout=cols_l)
+    offs_hq = gl.arange(0, BLOCK_H, layout=rows_l)
+    q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
+    bias_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
+
+    clen = gl.load(cmp_len_ptr + b * scl_b)
+    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
+    total = W + K + clen
+    if NUM_SPLITS > 1:
+        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = pid_sp * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = 0
+        hi = total
+    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    kv_row0 = kv_ptr + b * skv_b
+    cmp_row0 = cmp_ptr + b * sc_b
+    widx_row = kv_idx_ptr + b * swi_b
+    cidx_row = cmp_idx_ptr + b * sci_b
+
+    v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
+    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    for st in gl.static_range(NUM_STAGES - 1):
+        _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+        cp.commit_group()
+        v = v + BLOCK_N
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    cp.wait_group(NUM_STAGES - 3)  # this thread's copies of blocks 0 and 1 landed
+    fence_async_shared()
+    gl.thread_barrier()  # ... every thread's
+
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    # S(0) left in flight: the loop's first wait completes it
+    s_nxt = warpgroup_mma(q_smem, ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
+    # Two blocks an iteration (static_range unrolls them), so that the score accumulator carried
+    # round the loop (S of the pair's first block, in flight) is dead before the next pair's is
+    # issued: one block an iteration carries s_nxt in flight while s is still read, the phi
+    # becomes register moves of an accumulator before its wait, and ptxas then serializes
+    # every wgmma of the kernel (C7514). An odd count gets one more, all-masked block
+    # (past hi: zero rows, bias -inf), which leaves m, l and acc exactly as they were.
+    n_pairs = gl.cdiv(n_blocks, 2)
+    for jj in range(n_pairs):
+        for h in gl.static_range(2):
+            j = 2 * jj + h
+            slot = j % NUM_STAGES
+            e = ring.index(slot)
+            s, acc = warpgroup_mma_wait(0, deps=[s_nxt, acc])  # S(j) and PV(j - 1)
+            # S(j + 1) (block j + 1 published by B2(j - 1) or the prologue) runs through this softmax:
+            # from here two score accumulators are live, s and s_nxt
+            s_nxt = warpgroup_mma(q_smem, ring.index((j + 1) % NUM_STAGES).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
+            logits = s * scale_log2e + bias[None, :]
+            m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+            red_smem.store(m_wg)
+            gl.thread_barrier()  # B1: PV(j - 1) done in both warpgroups: its slot and P are free
+            m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
+            nxt = (j + NUM_STAGES - 1) % NUM_STAGES  # the slot of block j - 1
+            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
+                        kv_row0, skv_n, cmp_row0, sc_n, offs_d)
+            cp.commit_group()
+            v = v + BLOCK_N
+            idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+
+            m_new = gl.maximum(m_i, m_blk)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(logits - m_safe[:, None])
+            l_i = l_i * alpha[:, None] + p
+            m_i = m_new
+            p_smem.store(p.to(gl.bfloat16))
+            cp.wait_group(NUM_STAGES - 3)  # this thread's copies of block j + 2 landed
+            fence_async_shared()  # P and those rows visible to wgmma
+            gl.thread_barrier()  # B2: P(j) and block j + 2 published
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
+            acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+    acc, s_nxt = warpgroup_mma_wait(0, deps=[acc, s_nxt])  # PV(n - 1) and the unused S(n)
+    cp.wait_group(0)  # no copy may outlive the program's shared memory
+    l_i = gl.sum(l_i, 1)
+
+    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    if NUM_SPLITS == 1:
+        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(m_i, sink)
+        alpha = gl.exp2(m_i - m_f)
+        denom = l_i * alpha + gl.exp2(sink - m_f)
+        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
+        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+    else:
+        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
         gl.store(part_m_ptr + row + offs_hs, m_i)
         gl.store(part_l_ptr + row + offs_hs, l_i)
         gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
@@ -433,11 +651,24 @@ def sparse_attention_gluon_qreg_kernel(
     ], [4], [QREG_WORKER_REGS])
 
 
+# diag key -> (constexpr of the v0 kernel, its off value); module docstring: what each removes
+DIAG = {
+    "no_gather": ("DIAG_NO_GATHER", False),
+    "no_pv": ("DIAG_NO_PV", False),
+    "no_softmax": ("DIAG_NO_SOFTMAX", False),
+    "no_index": ("DIAG_NO_INDEX", False),
+    "max_blocks": ("DIAG_MAX_BLOCKS", -1),
+}
+DIAG_VARIANTS = ("v0",)
+
 # variant -> (kernel, num_warps of the launch); module docstring: what each one changes
 VARIANTS = {
     "v0": (sparse_attention_gluon_kernel, NUM_WARPS),
     "v1": (sparse_attention_gluon_qreg_kernel, 4),
+    "v2": (sparse_attention_gluon_lookahead_kernel, NUM_WARPS),
 }
+# ring depth a variant needs (v2: blocks j, j + 1 and j + 2 resident at once; its docstring)
+MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
@@ -450,6 +681,9 @@ def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | Non
     a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
     if variant not in VARIANTS:
         raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if num_stages < MIN_STAGES[variant]:
+        raise ValueError(f"sparse_attention_gluon: variant {variant} needs num_stages >= {MIN_STAGES[variant]}, "
+                         f"got {num_stages}")
     cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
     kernel, num_warps = VARIANTS[variant]
     return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"], kernel=kernel,
@@ -483,11 +717,31 @@ def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _diag_meta(variant: str, diag: dict | None) -> dict:
+    """The DIAG_* constexprs of ``diag`` (keys of ``DIAG``): every one of them for the variants
+    that take them (off unless given), none for the others."""
+    diag = dict(diag or {})
+    unknown = sorted(set(diag) - set(DIAG))
+    if unknown:
+        raise ValueError(f"sparse_attention_gluon: unknown diag switches {unknown}; known: {sorted(DIAG)}")
+    if variant not in DIAG_VARIANTS:
+        if any(v not in (False, None, -1) for v in diag.values()):
+            raise ValueError(f"sparse_attention_gluon: diag switches exist for {DIAG_VARIANTS} only, not {variant!r}")
+        return {}
+    meta = {name: default for name, default in DIAG.values()}
+    for key, value in diag.items():
+        name, default = DIAG[key]
+        meta[name] = int(value) if isinstance(default, int) and not isinstance(default, bool) else bool(value)
+    return meta
+
+
 def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=64, num_stages=2,
-                 out=None, variant="v0"):
+                 out=None, variant="v0", *, diag=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
-    ``combine_kernel``; the cross-compile test compiles these without a GPU."""
+    ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
+    switches (``DIAG``; v0 only), e.g. ``dict(no_gather=True)``: the result is then wrong."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
+    diag_meta = _diag_meta(variant, diag)
     B, _, H, D = q.shape
     q, kv, cmp = (_lastdim_contiguous(t) for t in (q, kv, cmp))
     sink = sink.contiguous()
@@ -525,7 +779,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
-                num_warps=cfg["num_warps"])
+                **diag_meta, num_warps=cfg["num_warps"])
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
@@ -536,11 +790,12 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=64, num_stages=2, out=None, variant="v0") -> torch.Tensor:
+                           block_n=64, num_stages=2, out=None, variant="v0", diag=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
-    (H = 64, D = 512, S = 1, float caches); ValueError for anything else."""
+    (H = 64, D = 512, S = 1, float caches); ValueError for anything else. ``diag``: see
+    ``gluon_launch`` (timing only: wrong results)."""
     out, launches = gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,
-                                 num_stages, out, variant)
+                                 num_stages, out, variant, diag=diag)
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta)
     return out
