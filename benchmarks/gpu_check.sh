@@ -43,6 +43,10 @@
 #             (both sweeps print every config's line: a call returns 8 files, and session 10 lost a sweep log that way)
 #   sweep-fp8 = the FP8 readers (attention CSA / HCA, indexer scores) at batch 64 x 32K by decode (E4M3_HW) and stages
 #   sweep-topk-rows = the top-k pass at 16, 64, 128 rows x 8192 scores: row kernel vs split top-k
+#   gluon-check = the Gluon decode attention (lowering/gluon) against the reference and the tl kernel at B = 1, 64,
+#             128, then every variant's configs swept at B = 64, 128 (benchmarks/gluon_attention_check.py --sweep)
+#   gluon-diagnose = where the Gluon kernel's time goes: the default vs each stage left out (no gather, no P @ rows,
+#             no softmax, no index loads, one block, no block) at B = 64, 128 (--diagnose; results not checked)
 #   sweep-indexer-fused = the whole indexer_topk at 64, 128 rows x 8192, 32768 keys (32K, 128K context): unfused
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -157,6 +161,10 @@ for what in "$@"; do
     sweep-topk-rows) # the top-k pass at 16, 64, 128 rows over 8192 scores (32K context): row kernel vs split
            python3 benchmarks/sweep_kernels.py --only topk --batches 16 64 128 --out "$OUT/sweep_topk_rows.json" 2>&1 \
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
+    gluon-check) python3 benchmarks/gluon_attention_check.py --sweep 2>&1 | tee "$OUT/gluon_check.log" \
+           | grep -v "^\.\.\." | tail -60 || rc=1 ;;
+    gluon-diagnose) python3 benchmarks/gluon_attention_check.py --diagnose 2>&1 | tee "$OUT/gluon_diagnose.log" \
+           | grep -v "^\.\.\." || rc=1 ;;
     sweep-indexer-fused) # indexer_topk at 64, 128 rows x 32K, 128K context: unfused vs fused top-k by chunk
            python3 benchmarks/sweep_kernels.py --only fused --batches 64 128 --target-ms 20 \
                --out "$OUT/sweep_indexer_fused.json" 2>&1 \
@@ -192,7 +200,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc
