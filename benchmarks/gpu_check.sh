@@ -47,6 +47,9 @@
 #             128, then every variant's configs swept at B = 64, 128 (benchmarks/gluon_attention_check.py --sweep)
 #   gluon-diagnose = where the Gluon kernel's time goes: the default vs each stage left out (no gather, no P @ rows,
 #             no softmax, no index loads, one block, no block) at B = 64, 128 (--diagnose; results not checked)
+#   gluon-fp8-check = the Gluon FP8-cache decode attention (lowering/gluon/sparse_attention_fp8.py, never run before):
+#             an exact one-entry check, then CSA / dense-prefix / float-window cases against the tl kernel and the
+#             reference at B = 1, 64, 128 (benchmarks/gluon_fp8_attention_check.py; ~4-6 min)
 #   sweep-indexer-fused = the whole indexer_topk at 64, 128 rows x 8192, 32768 keys (32K, 128K context): unfused
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -165,6 +168,8 @@ for what in "$@"; do
            | grep -v "^\.\.\." | tail -60 || rc=1 ;;
     gluon-diagnose) python3 benchmarks/gluon_attention_check.py --diagnose 2>&1 | tee "$OUT/gluon_diagnose.log" \
            | grep -v "^\.\.\." || rc=1 ;;
+    gluon-fp8-check) python3 benchmarks/gluon_fp8_attention_check.py 2>&1 | tee "$OUT/gluon_fp8_check.log" \
+           | grep -v "^\.\.\." | tail -60 || rc=1 ;;
     sweep-indexer-fused) # indexer_topk at 64, 128 rows x 32K, 128K context: unfused vs fused top-k by chunk
            python3 benchmarks/sweep_kernels.py --only fused --batches 64 128 --target-ms 20 \
                --out "$OUT/sweep_indexer_fused.json" 2>&1 \
@@ -200,7 +205,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc
