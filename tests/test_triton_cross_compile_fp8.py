@@ -79,7 +79,7 @@ def _launches(backend: str):
                       config=ix.indexer_config(B, 1, HI, DI, N_POOL, K, backend=backend))
     take("fp8_indexer_scores", n)
     # the fused top-k over FP8 keys at batch 64 x 32K (Flash top-512): the scores kernel with stage 1 fused
-    # in (2048-entry chunks; forced on ROCm, whose config never fuses), then stage 2
+    # in (2048-entry chunks, forced: no config fuses FP8 keys, measured slower; a sweep may), then stage 2
     cfg = dict(ix.indexer_config(B, 1, HI, DI, N_POOL, K, backend=backend), TOPK_FUSED=2048)
     n = len(recorded)
     ix.indexer_topk(torch.empty(B, 1, HI, DI, **bf16), torch.empty(B, 1, HI, **f32), keys, torch.empty(B, 1, **i32), K,
