@@ -12,7 +12,8 @@ graphs replay like any launch. AOTInductor cannot call a Python op from its C++ 
 ``dsv4_ops.export`` traces under :func:`disabled`: packages keep the Triton kernel.
 
 ``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off. A compiled graph keeps the
-route it was traced with; the switch is for comparisons and for a Triton without Gluon.
+route it was traced with, and so may torch's on-disk compile cache (its key is the graph before
+the route is taken): use a fresh ``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
 """
 from __future__ import annotations
 
