@@ -41,21 +41,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
+from benchmarks.timing import l2_bytes, rotation_copies  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
 from dsv4_ops.reference import fp8_cache as fp8  # noqa: E402
 from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8  # noqa: E402
 from lowering.triton.sparse_attention import sparse_attention as sparse_attention_tl  # noqa: E402
+# the bf16 check's helpers: log, the max abs error, the CUDA-graph timer, the tl launch, an error's first line
+from benchmarks.gluon_attention_check import err, first_line, log, timed, tl_fn  # noqa: E402
 
 H, D, ROPE, W, K, NC, PAGE = 64, 512, 64, 128, 512, 8192, 64
 RING_FLOAT = 256  # mode 1: the float window ring's rows
 SCALE = D ** -0.5
 COPY_BUDGET = 8 * 2**30  # bytes of input copies for the L2-cold timing
 MODES = ["csa", "mixed", "csa_mode1"]
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def fp8_cache(values: torch.Tensor, page: int) -> torch.Tensor:
@@ -119,15 +117,6 @@ def reference(inputs) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def err(a: torch.Tensor, b: torch.Tensor) -> float:
-    d = (a.float() - b.float()).abs()
-    return float("nan") if d.isnan().any() else float(d.max())
-
-
-def timed(fn, copies) -> float:
-    return kernel_time([lambda c=c: fn(*c) for c in copies], torch.device("cuda")).us
-
-
 def copies_for(B: int, mode: str, first) -> list:
     """``first`` plus enough independent copies that a timed pass misses L2."""
     q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink = first
@@ -140,15 +129,6 @@ def copies_for(B: int, mode: str, first) -> list:
 
 def gluon_fn(**cfg):
     return lambda *a: sparse_attention_gluon_fp8(*a, SCALE, **cfg)
-
-
-def tl_fn(*a):
-    return sparse_attention_tl(*a, SCALE)
-
-
-def first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def exact_check(failures: list) -> None:

@@ -44,7 +44,7 @@ def _source(kernel, args, meta, gluon):
     import triton
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    dtypes = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+    dtypes = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8"}
     constexprs = {k: v for k, v in meta.items() if k != "num_warps"}
     signature, attrs = {}, {}
     for i, (name, v) in enumerate(zip(kernel.arg_names, args + (None,) * len(kernel.arg_names))):
@@ -125,16 +125,27 @@ def _resources(compiled) -> dict:
             text = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-o", str(Path(d) / "k.cubin"),
                                    str(Path(d) / "k.ptx")], capture_output=True, text=True).stderr
         res["wgmma_serialized"] = "C7514" in text
-    cuobjdump = bin_dir / "cuobjdump"
-    if cuobjdump.exists():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-        found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
-        res.update(regs=int(found.get("REG", -1)), stack=int(found.get("STACK", -1)),
-                   local=int(found.get("LOCAL", -1)))
+    res.update(_register_usage(compiled))
     return res
+
+
+def _register_usage(compiled) -> dict:
+    """Registers, stack and local bytes of the cubin (``cuobjdump -res-usage``, shipped in Triton's
+    wheel; {} without it)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not cuobjdump.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return dict(regs=int(found.get("REG", -1)), stack=int(found.get("STACK", -1)), local=int(found.get("LOCAL", -1)))
 
 
 def _worker(names):

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 from compiled_worker import run_worker
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_gluon_cross_compile import _register_usage, _source  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
 SMEM_LIMIT = 232448
@@ -39,39 +42,7 @@ CONFIGS = {
 }
 
 
-def _source(kernel, args, meta):
-    import torch
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    dtypes = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8"}
-    constexprs = {k: v for k, v in meta.items() if k != "num_warps"}
-    signature, attrs = {}, {}
-    for i, (name, v) in enumerate(zip(kernel.arg_names, args + (None,) * len(kernel.arg_names))):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(v, torch.Tensor):
-            signature[name] = "*" + dtypes[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            signature[name] = "fp32"
-        elif isinstance(v, int) and v == 1:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        elif isinstance(v, int):
-            signature[name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            raise TypeError(f"{name}: {type(v)}")
-    return GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-
-
 def _resources(compiled) -> dict:
-    import subprocess
-    import tempfile
-
-    import triton
-
     res = {"shared": compiled.metadata.shared}
     ptx = compiled.asm["ptx"]
     res["wgmma_n"] = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)})
@@ -87,15 +58,7 @@ def _resources(compiled) -> dict:
         res["cp_async_zfill"] += m.group(3) is not None
     res["prmt"] = len(re.findall(r"prmt\.b32", ptx))
     res["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    if cuobjdump.exists():
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            text = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-        found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
-        res.update(regs=int(found.get("REG", -1)), stack=int(found.get("STACK", -1)),
-                   local=int(found.get("LOCAL", -1)))
+    res.update(_register_usage(compiled))
     return res
 
 
@@ -134,7 +97,7 @@ def _worker(names):
         entry = {"config": name, "meta": dict(meta), "grid": list(grid), "launches": len(launches),
                  "explicit_smem": gf.fp8_smem_bytes(meta["BLOCK_N"], meta["NUM_STAGES"], meta["E_BUFS"])}
         try:
-            compiled = triton.compile(_source(kernel, args, meta), target=target,
+            compiled = triton.compile(_source(kernel, args, meta, gluon=True), target=target,
                                       options={"num_warps": meta["num_warps"]})
             entry["resources"] = _resources(compiled)
         except Exception as e:  # reported; the parent test fails with it

@@ -67,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
+from .sparse_attention import _entry_index
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch",
@@ -81,16 +82,6 @@ SMEM_LIMIT = 232448
 # each, 8 a row block; no spills), 1 one store a row block (_decode_block_3d; 2 barriers fewer
 # than 8 but spills: 8 B of stack at 32-row blocks, ~170 B at 64; a sweep option)
 ONE_STORE_DEFAULT = 0
-
-
-@gluon.jit
-def _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
-    """Row index of virtual entries ``v``: window (kv_idx), picked (cmp_idx), dense prefix."""
-    in_w = v < W
-    in_k = (v >= W) & (v < W + K)
-    wi = gl.load(widx_row + v * swi_w, mask=in_w, other=-1)
-    ci = gl.load(cidx_row + (v - W) * sci_k, mask=in_k, other=-1)
-    return gl.where(in_w, wi, gl.where(in_k, ci, v - W - K))
 
 
 @gluon.jit
