@@ -20,10 +20,10 @@ than an SM has) print their error's first line and the sweep goes on. A variant 
 hangs (v1 synchronises its warpgroups through mbarriers) stops the run: variants run in the
 given order and every line is flushed.
 
-``--diagnose`` runs only this: the default v0 config timed with each of its DIAG switches
+``--diagnose`` runs only this: the default config of v0 and v3 (``--diag-variants``) timed with each of its DIAG switches
 (``lowering/gluon/sparse_attention.py``: no row copies after the prologue, no P @ rows, no
 softmax, no index loads, no copies and no index loads, one block, no block) at
-``--diag-batches`` x ``--modes``, one line each: ``diag MODE B=.. NAME: us=.. delta=..`` (delta
+``--diag-batches`` x ``--modes``, one line each: ``diag VARIANT MODE B=.. NAME: us=.. delta=..`` (delta
 against the default of that case). The switches make the results wrong: nothing is checked.
 
 Exit code 1 if a Gluon result is further from the reference than 2 x the tl kernel's error +
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
-from lowering.gluon.sparse_attention import sparse_attention_gluon  # noqa: E402
+from lowering.gluon.sparse_attention import DIAG_VARIANTS, sparse_attention_gluon  # noqa: E402
 from lowering.triton.sparse_attention import sparse_attention as sparse_attention_tl  # noqa: E402
 
 H, D, W, RING, K, NC = 64, 512, 128, 256, 512, 8192
@@ -166,6 +166,7 @@ SWEEP_CONFIGS = {
     "v0": [(32, 4), (64, 2)],
     "v1": [(32, 4), (32, 6), (64, 2), (64, 3)],
     "v2": [(32, 3), (32, 4)],
+    "v3": [(32, 4), (64, 2)],
 }
 
 # --diagnose: (name, diag switches) of the v0 default config, each timed against the default
@@ -181,26 +182,27 @@ DIAG_RUNS = [
 ]
 
 
-def diagnose(B: int, mode: str) -> None:
-    """One line a DIAG_RUNS entry; a config that fails prints its error's first line."""
+def diagnose(B: int, mode: str, variant: str) -> None:
+    """One line a DIAG_RUNS entry of ``variant``'s default config; a config that fails prints its
+    error's first line."""
     dev = torch.device("cuda")
     inputs = make_inputs(B, mode, seed=B, dev=dev)
     copies = copies_for(B, mode, inputs)
     base = None
     for name, diag in DIAG_RUNS:
         try:
-            fn = gluon_fn(diag=diag)
+            fn = gluon_fn(diag=diag, variant=variant)
             fn(*inputs)  # compile outside the timing
             torch.cuda.synchronize()
             us = timed(fn, copies)
         except Exception as ex:
-            log(f"diag {mode} B={B} {name}: FAILED {first_line(ex)}")
+            log(f"diag {variant} {mode} B={B} {name}: FAILED {first_line(ex)}")
             torch.cuda.synchronize()
             continue
         if name == "default":
             base = us
         delta = f"{us - base:+.1f}" if base is not None else "n/a"
-        log(f"diag {mode} B={B} {name}: us={us:.1f} delta={delta}")
+        log(f"diag {variant} {mode} B={B} {name}: us={us:.1f} delta={delta}")
 
 
 def sweep(B: int, mode: str, variants: list, failures: list) -> None:
@@ -242,6 +244,7 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true",
                     help="only time the v0 default against each of its DIAG switches (results wrong, unchecked)")
     ap.add_argument("--diag-batches", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--diag-variants", nargs="+", default=list(DIAG_VARIANTS), choices=list(DIAG_VARIANTS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")
@@ -251,11 +254,12 @@ def main() -> int:
     if args.diagnose:
         for B in args.diag_batches:
             for mode in args.modes:
-                try:
-                    diagnose(B, mode)
-                except Exception as e:  # inputs or copies: report, go on
-                    log(f"diag {mode} B={B}: FAILED {first_line(e)}")
-                torch.cuda.empty_cache()
+                for variant in args.diag_variants:
+                    try:
+                        diagnose(B, mode, variant)
+                    except Exception as e:  # inputs or copies: report, go on
+                        log(f"diag {variant} {mode} B={B}: FAILED {first_line(e)}")
+                    torch.cuda.empty_cache()
         return 0
     failures: list[str] = []
     for B in args.batches:

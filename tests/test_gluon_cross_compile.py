@@ -32,8 +32,11 @@ CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
            # v2 (the next block's scores issued before this block's softmax) at 32 x 4; 32 x 3 also
            # fits, 64 x 3 does not (271,616 B) and spills
            "v2_split1": dict(num_splits=1, block_n=32, num_stages=4, variant="v2"),
-           "v2_split2": dict(num_splits=2, block_n=32, num_stages=4, variant="v2")}
-V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant", "v0") == "v0"]
+           "v2_split2": dict(num_splits=2, block_n=32, num_stages=4, variant="v2"),
+           # v3 (v0 with the ring refill issued at the top of an iteration) at v0's configs
+           "v3_split1": dict(num_splits=1, variant="v3"), "v3_split2": dict(num_splits=2, variant="v3"),
+           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3")}
+V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant", "v0") in ("v0", "v3")]
 V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v1"]
 V2_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v2"]
 SMEM_LIMIT = 232448
@@ -68,7 +71,10 @@ def _source(kernel, args, meta, gluon):
     return cls(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def _ex2_under_scores(ptx: str) -> list:
+def _under_wgmma(ptx: str, dot: str, prefix: str) -> list:
+    """Per group of wgmmas of ``dot`` ("score": the smallest N, "pv": the others), the number of
+    PTX instructions starting with ``prefix`` between its commit and the next wgmma wait: the
+    work that runs while that dot is in flight."""
     shapes = [int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)]
     if not shapes:
         return []
@@ -77,16 +83,16 @@ def _ex2_under_scores(ptx: str) -> list:
         line = line.split("//")[0].strip()
         m = re.match(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", line)
         if m:
-            group = "score" if int(m.group(1)) == score_n else "other"
+            group = "score" if int(m.group(1)) == score_n else "pv"
         elif line.startswith("wgmma.commit_group"):
             if count is not None:  # a commit before any wait: close the open count there
                 counts.append(count)
-            count = 0 if group == "score" else None
+            count = 0 if group == dot else None
         elif line.startswith("wgmma.wait_group"):
             if count is not None:
                 counts.append(count)
             count = None
-        elif count is not None and line.startswith("ex2."):
+        elif count is not None and line.startswith(prefix):
             count += 1
     return counts
 
@@ -115,7 +121,10 @@ def _resources(compiled) -> dict:
     # per group of score wgmmas (N = the smallest shape): ex2 instructions between its commit and
     # the next wgmma wait -- the softmax running while those scores are in flight (v2), or none
     # (v0: the scores are waited for before their own softmax)
-    res["ex2_under_scores"] = _ex2_under_scores(ptx)
+    res["ex2_under_scores"] = _under_wgmma(ptx, "score", "ex2.")
+    # per group of P @ rows wgmmas: cp.async waits while it is in flight (v3: the next block's
+    # rows are waited for under P @ rows; v0 waits for them before issuing it)
+    res["cp_wait_under_pv"] = _under_wgmma(ptx, "pv", "cp.async.wait_group")
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
     if (bin_dir / "ptxas").exists():
         # ptxas C7514: it found a register of an in-flight wgmma touched (or could not prove it
@@ -259,6 +268,21 @@ def test_scores_in_flight_through_softmax(compiled, config):
         assert res["wgmma_count"] == D // 16 + 2 * (D // 16 + block_n // 16), res
     else:
         assert res["ex2_under_scores"] and max(res["ex2_under_scores"]) == 0, res
+
+
+@pytest.mark.parametrize("config", V0_CONFIGS)
+def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
+    """v3 issues the ring refill at the top of an iteration and waits for it only once P @ rows
+    is in flight (the copy then runs under the scores, the softmax and P @ rows); v0 waits for it
+    before issuing P @ rows."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    counts = r["resources"]["cp_wait_under_pv"]
+    assert counts, r["resources"]
+    if CONFIGS[config].get("variant") == "v3":
+        assert max(counts) > 0, r["resources"]
+    else:
+        assert max(counts) == 0, r["resources"]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -131,8 +131,14 @@ def sparse_attention_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     DIAG_NO_GATHER: gl.constexpr = False, DIAG_NO_PV: gl.constexpr = False, DIAG_NO_SOFTMAX: gl.constexpr = False,
     DIAG_NO_INDEX: gl.constexpr = False, DIAG_MAX_BLOCKS: gl.constexpr = -1,
+    PREFETCH_EARLY: gl.constexpr = False,
 ):
-    """The DIAG_* switches (``gluon_launch(diag=...)``, module docstring) each remove one stage
+    """``PREFETCH_EARLY`` (variant v3): the refill of the ring is issued at the top of an
+    iteration, not after the scores and the row-max barrier; P @ rows is then waited for in its
+    own iteration (a third barrier frees its slot), so block j + 1's copy runs under block j's
+    scores, softmax and P @ rows instead of its softmax only.
+
+    The DIAG_* switches (``gluon_launch(diag=...)``, module docstring) each remove one stage
     for timing by difference; results are then wrong. Off (the defaults), the PTX is the same
     as without them."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
@@ -221,6 +227,13 @@ def sparse_attention_gluon_kernel(
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         e = ring.index(slot)
+        if PREFETCH_EARLY:  # the slot of block j - 1 is free: its P @ rows was waited for before B3
+            nxt = (j + NUM_STAGES - 1) % NUM_STAGES
+            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
+                        kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
+            cp.commit_group()
+            v = v + BLOCK_N
+            idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
         s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])
@@ -232,13 +245,13 @@ def sparse_attention_gluon_kernel(
             red_smem.store(m_wg)
             gl.thread_barrier()  # B1
             m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
-        # refill the slot of block j - 1 with block j + NUM_STAGES - 1
-        nxt = (j + NUM_STAGES - 1) % NUM_STAGES
-        _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
-        cp.commit_group()
-        v = v + BLOCK_N
-        idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
+        if not PREFETCH_EARLY:  # refill the slot of block j - 1 with block j + NUM_STAGES - 1
+            nxt = (j + NUM_STAGES - 1) % NUM_STAGES
+            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
+                        kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
+            cp.commit_group()
+            v = v + BLOCK_N
+            idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
 
         if DIAG_NO_SOFTMAX:  # P = the scores as they are; no max, no exp2, no rescale
             p = logits
@@ -251,15 +264,24 @@ def sparse_attention_gluon_kernel(
             l_i = l_i * alpha[:, None] + p
             m_i = m_new
         p_smem.store(p.to(gl.bfloat16))
-        cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
-        fence_async_shared()  # P and those rows visible to wgmma
-        gl.thread_barrier()  # B2
+        if PREFETCH_EARLY:
+            fence_async_shared()  # P visible to wgmma
+            gl.thread_barrier()  # B2
+        else:
+            cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
+            fence_async_shared()  # P and those rows visible to wgmma
+            gl.thread_barrier()  # B2
         if not DIAG_NO_SOFTMAX:
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
         if DIAG_NO_PV:  # P stays stored (unread); the accumulator only rescaled
             acc = warpgroup_mma_init(acc)
         else:
             acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+        if PREFETCH_EARLY:
+            cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed (under P @ rows)
+            acc = warpgroup_mma_init(warpgroup_mma_wait(0, deps=[acc]))  # slot j and P read
+            fence_async_shared()  # block j + 1's rows visible to wgmma
+            gl.thread_barrier()  # B3: ... every thread's; slot j may be refilled
     acc = warpgroup_mma_wait(0, deps=[acc])
     cp.wait_group(0)  # no copy may outlive the program's shared memory
     l_i = gl.sum(l_i, 1)
@@ -659,16 +681,19 @@ DIAG = {
     "no_index": ("DIAG_NO_INDEX", False),
     "max_blocks": ("DIAG_MAX_BLOCKS", -1),
 }
-DIAG_VARIANTS = ("v0",)
+DIAG_VARIANTS = ("v0", "v3")
 
 # variant -> (kernel, num_warps of the launch); module docstring: what each one changes
 VARIANTS = {
     "v0": (sparse_attention_gluon_kernel, NUM_WARPS),
     "v1": (sparse_attention_gluon_qreg_kernel, 4),
     "v2": (sparse_attention_gluon_lookahead_kernel, NUM_WARPS),
+    "v3": (sparse_attention_gluon_kernel, NUM_WARPS),
 }
+# constexprs a variant adds to its kernel's launch
+VARIANT_META = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
 # ring depth a variant needs (v2: blocks j, j + 1 and j + 2 resident at once; its docstring)
-MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3}
+MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3, "v3": 2}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
@@ -779,7 +804,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
-                **diag_meta, num_warps=cfg["num_warps"])
+                **diag_meta, **VARIANT_META.get(variant, {}), num_warps=cfg["num_warps"])
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
