@@ -44,3 +44,32 @@ def test_the_environment_switch(value, enabled):
                          env={**os.environ, sm90.ENV: value})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == str(enabled)
+
+
+def _fp8_args(window="fp8", pool="fp8", entry_bytes=584, offset=0, S=1):
+    """Meta tensors (shapes, dtypes, strides only) of a decode call over FP8 pages."""
+    H, D, B = 64, 512, 2
+    meta = dict(device="meta")
+    flat = torch.empty(B * 32 * 64 * entry_bytes + offset, dtype=torch.uint8, **meta)
+    pages = flat[offset:].view(B, 32, 64, entry_bytes)
+    kv = torch.empty(B, 1, 128, entry_bytes, dtype=torch.uint8, **meta) if window == "fp8" else \
+        torch.empty(B, 256, D, dtype=torch.bfloat16, **meta)
+    cmp = pages if pool == "fp8" else torch.empty(B, 2048, D, dtype=torch.bfloat16, **meta)
+    return [torch.empty(B, S, H, D, dtype=torch.bfloat16, **meta), kv, torch.empty(B, S, 128, dtype=I32, **meta),
+            cmp, torch.empty(B, S, 512, dtype=I32, **meta), torch.empty(B, S, dtype=I32, **meta)]
+
+
+@pytest.mark.parametrize("change, served", [
+    (dict(), True),  # FP8 mode 2: window and pool pages
+    (dict(window="bf16"), True),  # FP8 mode 1: a bf16 window ring, an FP8 pool
+    (dict(pool="bf16"), False),  # an FP8 window over a float pool: no such mode
+    (dict(entry_bytes=576), False),  # not 448 nope + 64 rope + 8 scale bytes
+    (dict(offset=8), False),  # pages off a 16-byte boundary (the reader's copies are 16 B)
+    (dict(S=2), False),  # prefill
+])
+def test_which_fp8_caches_the_gluon_reader_serves(change, served):
+    """What ``applies`` routes FP8 calls on (devices aside): a static function of dtypes, shapes
+    and strides; anything the reader cannot take keeps the Triton kernel."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    from lowering.gluon.sparse_attention_fp8 import serves
+    assert serves(*_fp8_args(**change)) is served

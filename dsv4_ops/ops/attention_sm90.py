@@ -1,10 +1,12 @@
 """``dsv4::sparse_attention_sm90``: the Gluon decode attention for Hopper, as an opaque op.
 
 ``dsv4::sparse_attention`` routes here, while it is traced or run, when :func:`applies`: bf16
-decode (one query token) at V4's attention widths (64 heads of 512 dims, float caches) on an
-sm_90 GPU. Everything else -- FP8 caches, prefill, other widths, ROCm, other GPUs -- keeps the
-Triton kernel. The Gluon kernel (``lowering/gluon/sparse_attention.py``) has each warpgroup score
-its own half of a row block, which ``tl`` cannot express (BENCHMARKS.md, session 12).
+decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
+float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
+(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory). Everything
+else -- prefill, other widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels
+have each warpgroup score its own half of a row block, which ``tl`` cannot express
+(BENCHMARKS.md, sessions 12 and 13).
 
 Why a second op: torch's ``wrap_triton`` re-parses a kernel as plain Triton, so a Gluon kernel
 cannot be inlined by Inductor; it runs as an extern call inside a compiled graph, which CUDA
@@ -44,16 +46,24 @@ def _is_sm90(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def _fp8_caches(kv: Tensor, cmp: Tensor) -> bool:
+    return kv.dtype == torch.uint8 or cmp.dtype == torch.uint8
+
+
 def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor) -> bool:
-    """Static: the route is a function of devices, dtypes and shapes, never of values."""
+    """Static: the route is a function of devices, dtypes, shapes and strides, never of values."""
     if not (_enabled and q.device.type == "cuda" and gluon_available()):
         return False
     B, S, H, D = q.shape
-    return (S == 1 and H == 64 and D == 512 and kv.dim() == 3 and cmp.dim() == 3
-            and q.dtype == kv.dtype == cmp.dtype == torch.bfloat16
+    if not (S == 1 and H == 64 and D == 512 and q.dtype == torch.bfloat16 and B > 0
             and kv_idx.dtype == cmp_idx.dtype == cmp_len.dtype == torch.int32
-            and kv.shape[1] + cmp.shape[1] > 0 and B > 0
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()))
+            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
+        return False
+    if _fp8_caches(kv, cmp):  # FP8 pages (FlashMLA's MODEL1 layout), the window FP8 or bf16
+        from ..lowering.gluon.sparse_attention_fp8 import serves
+        return serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
+    return (kv.dim() == 3 and cmp.dim() == 3 and kv.dtype == cmp.dtype == torch.bfloat16
+            and kv.shape[1] + cmp.shape[1] > 0)
 
 
 @contextlib.contextmanager
@@ -74,11 +84,14 @@ def disabled():
 def sparse_attention_sm90(
     q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
 ) -> Tensor:
-    from ..lowering.gluon.sparse_attention import sparse_attention_gluon
+    if _fp8_caches(kv, cmp):
+        from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8 as launch
+    else:
+        from ..lowering.gluon.sparse_attention import sparse_attention_gluon as launch
 
     stats["launches"] += 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+    return launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
 
 
 @sparse_attention_sm90.register_fake

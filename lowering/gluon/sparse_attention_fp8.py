@@ -70,7 +70,7 @@ from ..triton._launch import sm_count
 from .sparse_attention import _entry_index
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
-__all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch",
+__all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
            "gluon_fp8_config", "fp8_smem_bytes", "NUM_WARPS", "SMEM_LIMIT"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
@@ -447,7 +447,19 @@ def _fp8_cache(name: str, t: torch.Tensor) -> int:
     return t.shape[2]
 
 
-def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
+def serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len) -> bool:
+    """Static (dtypes, shapes, strides; never values): whether the launcher accepts these caches
+    (what ``dsv4_ops/ops/attention_sm90.py`` routes on)."""
+    try:
+        fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
+        n_kv = kv.shape[1] * _fp8_cache("kv", kv) if fp8 == 2 else kv.shape[1]
+        n_cmp = cmp.shape[1] * _fp8_cache("cmp", cmp) if cmp.dim() == 4 else 0
+    except ValueError:
+        return False
+    return n_kv + n_cmp > 0 and q.shape[0] > 0
+
+
+def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
     """ValueError naming the argument outside the cases this kernel serves; the FP8 mode."""
     if q.dim() != 4:
         raise _err(f"q must be [B, S, H, D], got {tuple(q.shape)}")
@@ -463,7 +475,7 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
     for name, t in (("kv_idx", kv_idx), ("cmp_idx", cmp_idx), ("cmp_len", cmp_len)):
         if t.dtype != torch.int32:
             raise _err(f"{name} must be int32, got {t.dtype}")
-    if sink.numel() != H:
+    if sink is not None and sink.numel() != H:
         raise _err(f"sink must have {H} entries, got {sink.numel()}")
     if kv.dim() == 4:
         fp8 = 2

@@ -1,0 +1,164 @@
+"""On an sm_90 GPU, bf16 decode attention at V4's widths over FP8 caches (FlashMLA's page layout,
+``dsv4_ops/reference/fp8_cache.py``) runs the Gluon FP8 reader (``dsv4::sparse_attention_sm90``,
+``lowering/gluon/sparse_attention_fp8.py``): its output equals the float64 oracle on the
+dequantised caches within bf16's tolerance for FP8 mode 2 (FP8 window and pool pages) and mode 1
+(a bf16 window, an FP8 pool), every entry kind and empty segments; it is what runs eagerly, in
+compiled graphs and in CUDA-graph replays, and ``attention_sm90.disabled()`` gives the Triton FP8
+kernel back. A model at V4's attention widths with ``kv_cache_dtype="fp8"`` decodes with it within
+bf16 noise of the Triton route."""
+import pytest
+import torch
+
+import dsv4_ops
+from dsv4_ops import Generator
+from dsv4_ops.ops import attention_sm90 as sm90
+from dsv4_ops.reference import fp8_cache as fp8
+from model_util import random_model
+from test_sparse_attention_sm90 import SM90, V4_ATTENTION, oracle
+
+I32 = torch.int32
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon attention serves sm_90 GPUs only")]
+H, D, ROPE = 64, 512, 64
+
+
+def fp8_pages(values, page):
+    """``[B, N, D]`` values -> an FP8 page cache ``uint8 [B, N / page, page, 584]``."""
+    data, scales = fp8.quantize_kv(values, ROPE)
+    return fp8.from_entries(torch.cat([data, scales], -1), page, fp8.KVLayout(D, ROPE, page).data_bytes).contiguous()
+
+
+def fp8_inputs(B, W=128, K=512, Nc=2048, prefix=0, float_window=False, seed=0):
+    """Random decode inputs over FP8 caches: window pages of 128 entries (or, ``float_window``, a
+    bf16 ring of 256 rows: FP8 mode 1), a pool of 64-entry pages (none when ``Nc`` is 0), -1
+    and out-of-range indices, a dense prefix of up to ``prefix`` entries (row 0 none)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    q = torch.randn(B, 1, H, D, generator=g, **dev).bfloat16()
+    if float_window:
+        kv = torch.randn(B, 256, D, generator=g, **dev).bfloat16()
+    else:
+        kv = fp8_pages(torch.randn(B, 128, D, generator=g, **dev), 128)
+    n_kv = 256 if float_window else 128
+    cmp = fp8_pages(torch.randn(B, Nc, D, generator=g, **dev), 64) if Nc else \
+        torch.empty(B, 0, D, dtype=torch.bfloat16, **dev)
+    kv_idx = torch.randint(-1, n_kv, (B, 1, W), generator=g, dtype=I32, **dev)
+    cmp_idx = torch.randint(-1, Nc + 4, (B, 1, K), generator=g, dtype=I32, **dev) if Nc else \
+        torch.full((B, 1, K), -1, dtype=I32, **dev)
+    cmp_len = torch.randint(0, prefix + 1, (B, 1), generator=g, dtype=I32, **dev)
+    cmp_len[0] = 0
+    sink = torch.randn(H, generator=g, **dev)
+    return [q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, D ** -0.5]
+
+
+def dequantised(args):
+    """The same inputs over float caches holding the FP8 caches' values (exact: fp32)."""
+    q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale = args
+    kv = fp8.read_kv(kv, D) if kv.dtype == torch.uint8 else kv.float()
+    cmp = fp8.read_kv(cmp, D) if cmp.dtype == torch.uint8 else cmp.float()
+    # out-of-range picks are skipped like -1 by the contract; the oracle indexes directly
+    cmp_idx = torch.where(cmp_idx < cmp.shape[1], cmp_idx, -1)
+    return [q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale]
+
+
+CASES = {
+    "csa": dict(B=4),  # window + top-512 picks (the CSA decode of the Flash slice)
+    "hca": dict(B=3, K=0, prefix=2048),  # window + the whole pool as a dense prefix
+    "mixed": dict(B=3, prefix=1500),  # all three entry kinds
+    "mode1_float_window": dict(B=3, prefix=700, float_window=True),  # bf16 window ring, FP8 pool
+    "sliding": dict(B=2, K=0, Nc=0),  # window pages only (no pool)
+    "one_token_many_splits": dict(B=1, prefix=2048),  # split-KV at batch 1
+    "short_window": dict(B=2, W=5, K=3, Nc=64),  # blocks mostly masked, segments inside one block
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_caches_take_the_gluon_route_and_match_the_reference(case, tol):
+    args = fp8_inputs(**CASES[case])
+    before = sm90.stats["launches"]
+    out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before + 1, "the Gluon FP8 kernel did not run"
+    assert out.shape == args[0].shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), oracle(*dequantised(args)), **tol(torch.bfloat16))
+    with sm90.disabled():
+        triton_out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before + 1, "disabled() still ran the Gluon kernel"
+    # the same decoded bf16 rows and 32-row blocks: the two differ by fp32 summation order
+    assert (out.float() - triton_out.float()).abs().max() <= 1e-2
+
+
+def test_misaligned_fp8_pages_keep_the_triton_kernel(tol):
+    """The Gluon reader copies 16-byte pieces of each entry: a cache whose pages start off a
+    16-byte boundary is routed to the Triton kernel (which reads any layout), never refused."""
+    args = fp8_inputs(B=2)
+    cmp = args[3]
+    flat = torch.zeros(cmp.numel() + 8, dtype=torch.uint8, device="cuda")
+    shifted = flat[8:].view(cmp.shape)
+    shifted.copy_(cmp)
+    args[3] = shifted
+    before = sm90.stats["launches"]
+    out = dsv4_ops.sparse_attention(*args)
+    assert sm90.stats["launches"] == before
+    torch.testing.assert_close(out.double(), oracle(*dequantised(args)), **tol(torch.bfloat16))
+
+
+def test_compiled_and_cuda_graphed_fp8_calls_run_the_gluon_kernel():
+    torch._dynamo.reset()
+    args = fp8_inputs(B=8, prefix=512, seed=1)
+    want = torch.ops.dsv4.sparse_attention(*args)
+    fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
+    before = sm90.stats["launches"]
+    assert torch.equal(fn(*args), want)
+    assert sm90.stats["launches"] > before, "the compiled graph did not call the Gluon kernel"
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    fn(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    fresh = fp8_inputs(B=8, prefix=512, seed=2)
+    for s, f in zip(static, fresh):
+        if isinstance(s, torch.Tensor):
+            s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.ops.dsv4.sparse_attention(*fresh))
+    torch._dynamo.reset()
+
+
+def test_model_with_an_fp8_cache_decodes_with_the_gluon_kernel():
+    """bf16, 3 layers (sliding, CSA, HCA), ``kv_cache_dtype="fp8"``: prefill of 2100 tokens then
+    8 decode steps, the Gluon route's logits within bf16 noise of the Triton route's, eagerly
+    and compiled + CUDA-graphed (no recompiles)."""
+    m = random_model(V4_ATTENTION, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
+    feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
+    kw = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64, kv_cache_dtype="fp8")
+
+    def run(gen):
+        gen.prefill(prompts)
+        return torch.stack([gen.decode(feed[t]) for t in range(len(feed))], 1).float()
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    before = sm90.stats["launches"]
+    gluon = run(Generator(m, compile=False, **kw))
+    launches = sm90.stats["launches"] - before
+    print(f"Gluon launches over {len(feed)} decode steps of 3 layers: {launches}")
+    assert launches >= 2 * len(feed)  # the CSA and HCA layers (FP8 mode 2), every step
+    with sm90.disabled():
+        triton = run(Generator(m, compile=False, **kw))
+    err = rel(gluon, triton)
+    print(f"V4 attention widths, FP8 cache: Gluon vs Triton decode logits, max rel err {err:.2e}")
+    assert gluon.isfinite().all() and err <= 2e-2
+
+    gen = Generator(m, compile=True, cuda_graphs=True, **kw)
+    before = sm90.stats["launches"]
+    run(gen)
+    assert sm90.stats["launches"] > before
+    with torch.compiler.set_stance("fail_on_recompile"):
+        graphed = run(gen)
+    assert gen.stats["recompiles"] == 0 and gen.stats["cuda_graph_replays"] > 0
+    err = rel(graphed, gluon)
+    print(f"FP8 cache, compiled + CUDA-graphed vs eager (both Gluon): max rel err {err:.2e}")
+    assert err <= 5e-2
