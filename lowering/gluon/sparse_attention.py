@@ -115,6 +115,18 @@ def _issue_rows(buf, bias_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_r
 
 
 @gluon.jit
+def _refill(ring, bias_ring, slot, v, idx, hi, W, K, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, offs_d,
+            widx_row, swi_w, cidx_row, sci_k, BLOCK_N: gl.constexpr, NO_COPY: gl.constexpr, NO_INDEX: gl.constexpr):
+    """Issue entries ``v`` (rows ``idx``) into ring ``slot`` as one cp.async group; the next
+    block's entries and their row indices (the index loads left in flight)."""
+    _issue_rows(ring.index(slot), bias_ring.index(slot), v, idx, hi, W, N_KV, N_CMP,
+                kv_row0, skv_n, cmp_row0, sc_n, offs_d, NO_COPY)
+    cp.commit_group()
+    v = v + BLOCK_N
+    return v, _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, NO_INDEX)
+
+
+@gluon.jit
 def sparse_attention_gluon_kernel(
     q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -228,12 +240,9 @@ def sparse_attention_gluon_kernel(
         slot = j % NUM_STAGES
         e = ring.index(slot)
         if PREFETCH_EARLY:  # the slot of block j - 1 is free: its P @ rows was waited for before B3
-            nxt = (j + NUM_STAGES - 1) % NUM_STAGES
-            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                        kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
-            cp.commit_group()
-            v = v + BLOCK_N
-            idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
+            v, idx = _refill(ring, bias_ring, (j + NUM_STAGES - 1) % NUM_STAGES, v, idx, hi, W, K, N_KV, N_CMP,
+                             kv_row0, skv_n, cmp_row0, sc_n, offs_d, widx_row, swi_w, cidx_row, sci_k, BLOCK_N,
+                             DIAG_NO_GATHER, DIAG_NO_INDEX)
         s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])
@@ -246,12 +255,9 @@ def sparse_attention_gluon_kernel(
             gl.thread_barrier()  # B1
             m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
         if not PREFETCH_EARLY:  # refill the slot of block j - 1 with block j + NUM_STAGES - 1
-            nxt = (j + NUM_STAGES - 1) % NUM_STAGES
-            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                        kv_row0, skv_n, cmp_row0, sc_n, offs_d, DIAG_NO_GATHER)
-            cp.commit_group()
-            v = v + BLOCK_N
-            idx = _index(v, W, K, widx_row, swi_w, cidx_row, sci_k, DIAG_NO_INDEX)
+            v, idx = _refill(ring, bias_ring, (j + NUM_STAGES - 1) % NUM_STAGES, v, idx, hi, W, K, N_KV, N_CMP,
+                             kv_row0, skv_n, cmp_row0, sc_n, offs_d, widx_row, swi_w, cidx_row, sci_k, BLOCK_N,
+                             DIAG_NO_GATHER, DIAG_NO_INDEX)
 
         if DIAG_NO_SOFTMAX:  # P = the scores as they are; no max, no exp2, no rescale
             p = logits

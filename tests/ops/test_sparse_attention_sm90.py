@@ -137,8 +137,14 @@ def test_other_shapes_and_dtypes_keep_the_triton_kernel(why, change, tol):
 def test_compiled_and_cuda_graphed_calls_run_the_gluon_kernel():
     """Inductor cannot inline a Gluon kernel: the compiled graph calls the op (an extern call),
     and a CUDA graph of the compiled function replays it. Same kernel, same inputs: same bits."""
+    check_compiled_and_graphed(lambda seed: flash_inputs(B=8, prefix=512, seed=seed))
+
+
+def check_compiled_and_graphed(make_args):
+    """``make_args(seed)``'s call through a compiled graph and a CUDA-graph replay of it (on
+    fresh inputs copied in) equals the eager call bit for bit, and the graph runs the Gluon op."""
     torch._dynamo.reset()
-    args = flash_inputs(B=8, prefix=512, seed=1)
+    args = make_args(1)
     want = torch.ops.dsv4.sparse_attention(*args)
     fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
     before = sm90.stats["launches"]
@@ -150,13 +156,14 @@ def test_compiled_and_cuda_graphed_calls_run_the_gluon_kernel():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(*static)
-    fresh = flash_inputs(B=8, prefix=512, seed=2)
+    fresh = make_args(2)
     for s, f in zip(static, fresh):
         if isinstance(s, torch.Tensor):
             s.copy_(f)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, torch.ops.dsv4.sparse_attention(*fresh))
+    torch._dynamo.reset()
 
 
 def test_traced_under_disabled_the_graph_keeps_the_triton_kernel():
@@ -183,11 +190,17 @@ def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
     """bf16, 3 layers (sliding, CSA, HCA), prefill of 2100 tokens then 8 decode steps: the
     Gluon route's logits stay within bf16 noise of the Triton route's, eagerly and compiled +
     CUDA-graphed (no recompiles; the replays are where the decode time goes)."""
+    check_model_decode("auto")
+
+
+def check_model_decode(kv_cache_dtype):
+    """The V4-width model's decode with ``kv_cache_dtype``: Gluon route vs Triton route, eager
+    and compiled + CUDA-graphed."""
     m = random_model(V4_ATTENTION, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
     feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
-    kw = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64)
+    kw = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64, kv_cache_dtype=kv_cache_dtype)
 
     def run(gen):
         gen.prefill(prompts)
@@ -198,11 +211,13 @@ def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
 
     before = sm90.stats["launches"]
     gluon = run(Generator(m, compile=False, **kw))
-    assert sm90.stats["launches"] - before >= 2 * len(feed)  # the CSA and HCA layers, every step
+    launches = sm90.stats["launches"] - before
+    print(f"{kv_cache_dtype} cache: Gluon launches over {len(feed)} decode steps of 3 layers: {launches}")
+    assert launches >= 2 * len(feed)  # the CSA and HCA layers, every step
     with sm90.disabled():
         triton = run(Generator(m, compile=False, **kw))
     err = rel(gluon, triton)
-    print(f"V4 attention widths, bf16: Gluon vs Triton decode logits, max rel err {err:.2e}")
+    print(f"V4 attention widths, {kv_cache_dtype} cache: Gluon vs Triton decode logits, max rel err {err:.2e}")
     assert gluon.isfinite().all() and err <= 2e-2
 
     gen = Generator(m, compile=True, cuda_graphs=True, **kw)
@@ -213,7 +228,7 @@ def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
         graphed = run(gen)
     assert gen.stats["recompiles"] == 0 and gen.stats["cuda_graph_replays"] > 0
     err = rel(graphed, gluon)
-    print(f"compiled + CUDA-graphed vs eager (both Gluon): max rel err {err:.2e}")
+    print(f"{kv_cache_dtype} cache, compiled + CUDA-graphed vs eager (both Gluon): max rel err {err:.2e}")
     # Inductor fuses the bf16 elementwise chains around attention in fp32 (one rounding where eager
     # rounds at each op): 2.97e-2 on the H200 (session 12); a wrong attention is O(1)
     assert err <= 5e-2

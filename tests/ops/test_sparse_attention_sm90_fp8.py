@@ -10,11 +10,9 @@ import pytest
 import torch
 
 import dsv4_ops
-from dsv4_ops import Generator
 from dsv4_ops.ops import attention_sm90 as sm90
 from dsv4_ops.reference import fp8_cache as fp8
-from model_util import random_model
-from test_sparse_attention_sm90 import SM90, V4_ATTENTION, oracle
+from test_sparse_attention_sm90 import SM90, check_compiled_and_graphed, check_model_decode, oracle
 
 I32 = torch.int32
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not SM90, reason="the Gluon attention serves sm_90 GPUs only")]
@@ -102,63 +100,11 @@ def test_misaligned_fp8_pages_keep_the_triton_kernel(tol):
 
 
 def test_compiled_and_cuda_graphed_fp8_calls_run_the_gluon_kernel():
-    torch._dynamo.reset()
-    args = fp8_inputs(B=8, prefix=512, seed=1)
-    want = torch.ops.dsv4.sparse_attention(*args)
-    fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
-    before = sm90.stats["launches"]
-    assert torch.equal(fn(*args), want)
-    assert sm90.stats["launches"] > before, "the compiled graph did not call the Gluon kernel"
-    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    fn(*static)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
-    fresh = fp8_inputs(B=8, prefix=512, seed=2)
-    for s, f in zip(static, fresh):
-        if isinstance(s, torch.Tensor):
-            s.copy_(f)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, torch.ops.dsv4.sparse_attention(*fresh))
-    torch._dynamo.reset()
+    check_compiled_and_graphed(lambda seed: fp8_inputs(B=8, prefix=512, seed=seed))
 
 
 def test_model_with_an_fp8_cache_decodes_with_the_gluon_kernel():
     """bf16, 3 layers (sliding, CSA, HCA), ``kv_cache_dtype="fp8"``: prefill of 2100 tokens then
     8 decode steps, the Gluon route's logits within bf16 noise of the Triton route's, eagerly
     and compiled + CUDA-graphed (no recompiles)."""
-    m = random_model(V4_ATTENTION, dtype=torch.bfloat16, device="cuda")
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
-    feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
-    kw = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64, kv_cache_dtype="fp8")
-
-    def run(gen):
-        gen.prefill(prompts)
-        return torch.stack([gen.decode(feed[t]) for t in range(len(feed))], 1).float()
-
-    def rel(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item()
-
-    before = sm90.stats["launches"]
-    gluon = run(Generator(m, compile=False, **kw))
-    launches = sm90.stats["launches"] - before
-    print(f"Gluon launches over {len(feed)} decode steps of 3 layers: {launches}")
-    assert launches >= 2 * len(feed)  # the CSA and HCA layers (FP8 mode 2), every step
-    with sm90.disabled():
-        triton = run(Generator(m, compile=False, **kw))
-    err = rel(gluon, triton)
-    print(f"V4 attention widths, FP8 cache: Gluon vs Triton decode logits, max rel err {err:.2e}")
-    assert gluon.isfinite().all() and err <= 2e-2
-
-    gen = Generator(m, compile=True, cuda_graphs=True, **kw)
-    before = sm90.stats["launches"]
-    run(gen)
-    assert sm90.stats["launches"] > before
-    with torch.compiler.set_stance("fail_on_recompile"):
-        graphed = run(gen)
-    assert gen.stats["recompiles"] == 0 and gen.stats["cuda_graph_replays"] > 0
-    err = rel(graphed, gluon)
-    print(f"FP8 cache, compiled + CUDA-graphed vs eager (both Gluon): max rel err {err:.2e}")
-    assert err <= 5e-2
+    check_model_decode("fp8")
