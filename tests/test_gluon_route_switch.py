@@ -73,3 +73,23 @@ def test_which_fp8_caches_the_gluon_reader_serves(change, served):
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     from lowering.gluon.sparse_attention_fp8 import serves
     assert serves(*_fp8_args(**change)) is served
+
+
+def test_the_variant_switch_picks_a_known_kernel():
+    """``DSV4_OPS_GLUON_VARIANT`` names the bf16 kernel variant the route launches (for measuring
+    one through the public op); every name it may take is a variant of the Gluon module, with a
+    default config that passes the launcher's own checks."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    from lowering.gluon import sparse_attention as ga
+    code = "from dsv4_ops.ops import attention_sm90 as s; print(s.variant)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, sm90.VARIANT_ENV: "v3"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "v3"
+    assert sm90.variant == "v0"  # the default (the test run leaves the switch unset)
+    assert set(ga.DEFAULT_BLOCKS) == set(ga.VARIANTS)
+    for name in ga.VARIANTS:
+        cfg = ga.gluon_config(64, 640, variant=name)
+        assert (cfg["BLOCK_N"], cfg["NUM_STAGES"]) == ga.DEFAULT_BLOCKS[name]
+    with pytest.raises(ValueError, match="variant must be one of"):
+        ga.gluon_config(64, 640, variant="v9")

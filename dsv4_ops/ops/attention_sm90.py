@@ -13,7 +13,8 @@ cannot be inlined by Inductor; it runs as an extern call inside a compiled graph
 graphs replay like any launch. AOTInductor cannot call a Python op from its C++ runtime, so
 ``dsv4_ops.export`` traces under :func:`disabled`: packages keep the Triton kernel.
 
-``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off. A compiled graph keeps the
+``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off; ``DSV4_OPS_GLUON_VARIANT``
+picks the bf16 kernel's variant (default ``v0``; for measurements). A compiled graph keeps the
 route it was traced with, and so may torch's on-disk compile cache (its key is the graph before
 the route is taken): use a fresh ``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
 """
@@ -28,6 +29,10 @@ from torch import Tensor
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
+# the bf16 kernel's variant (lowering/gluon/sparse_attention.py VARIANTS); for measuring the others
+# through the public op (benchmarks, GPU tests): an unknown name is a ValueError at the first call
+VARIANT_ENV = "DSV4_OPS_GLUON_VARIANT"
+variant = os.environ.get(VARIANT_ENV, "v0").strip() or "v0"
 # eager / tracing invocations of the kernel launcher (a CUDA-graph replay runs no Python)
 stats = {"launches": 0}
 
@@ -84,14 +89,13 @@ def disabled():
 def sparse_attention_sm90(
     q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
 ) -> Tensor:
-    if _fp8_caches(kv, cmp):
-        from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8 as launch
-    else:
-        from ..lowering.gluon.sparse_attention import sparse_attention_gluon as launch
-
     stats["launches"] += 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+    if _fp8_caches(kv, cmp):
+        from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
+        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+    from ..lowering.gluon.sparse_attention import sparse_attention_gluon
+    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out, variant=variant)
 
 
 @sparse_attention_sm90.register_fake

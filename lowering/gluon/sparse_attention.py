@@ -700,10 +700,12 @@ VARIANTS = {
 VARIANT_META = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
 # ring depth a variant needs (v2: blocks j, j + 1 and j + 2 resident at once; its docstring)
 MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3, "v3": 2}
+# (BLOCK_N, NUM_STAGES) a variant launches with unless told: its best (or intended) config
+DEFAULT_BLOCKS = {"v0": (64, 2), "v1": (32, 6), "v2": (32, 4), "v3": (64, 2)}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                 block_n: int = 64, num_stages: int = 2, variant: str = "v0") -> dict:
+                 block_n: int | None = None, num_stages: int | None = None, variant: str = "v0") -> dict:
     """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the
     kernel and warp count of ``variant`` (VARIANTS).
 
@@ -712,6 +714,8 @@ def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | Non
     a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
     if variant not in VARIANTS:
         raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    block_n = DEFAULT_BLOCKS[variant][0] if block_n is None else block_n
+    num_stages = DEFAULT_BLOCKS[variant][1] if num_stages is None else num_stages
     if num_stages < MIN_STAGES[variant]:
         raise ValueError(f"sparse_attention_gluon: variant {variant} needs num_stages >= {MIN_STAGES[variant]}, "
                          f"got {num_stages}")
@@ -766,7 +770,7 @@ def _diag_meta(variant: str, diag: dict | None) -> dict:
     return meta
 
 
-def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=64, num_stages=2,
+def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
                  out=None, variant="v0", *, diag=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
@@ -821,7 +825,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=64, num_stages=2, out=None, variant="v0", diag=None) -> torch.Tensor:
+                           block_n=None, num_stages=None, out=None, variant="v0", diag=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
     (H = 64, D = 512, S = 1, float caches); ValueError for anything else. ``diag``: see
     ``gluon_launch`` (timing only: wrong results)."""
