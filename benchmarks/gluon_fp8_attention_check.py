@@ -21,7 +21,7 @@ One line a case: ``case .. B=.. tl_us=.. gluon_us=.. err_tl=.. err_gluon=..``.
 Before the cases, ``exact``: one valid entry per query (window or pool, every page slot and
 scale in play, values down to e4m3 subnormals) and a sink of -1e30, so the softmax weight is
 exactly 1 and the output is the decoded row itself: the Gluon output must equal the
-dequantised row (bf16) bit for bit, as the tl kernel's does (modes 2 and 1, splits 1 and 2).
+dequantised row (bf16) value for value (a -0.0 comes out +0.0), as the tl kernel's does (modes 2 and 1, splits 1 and 2).
 
 ``--sweep``: BLOCK_N x NUM_STAGES x decode store (``SWEEP_CONFIGS``) x splits {1, 2} at ``--sweep-batches``
 (64 128), each checked against the reference before it is timed; a config that fails prints
@@ -132,7 +132,7 @@ def gluon_fn(**cfg):
 
 
 def exact_check(failures: list) -> None:
-    """One valid entry a query, sink -1e30: out == the decoded row (bf16), bit for bit."""
+    """One valid entry a query, sink -1e30: out == the decoded row (bf16), value for value (+-0 equal)."""
     dev = torch.device("cuda")
     B = 64
     g = torch.Generator(device=dev).manual_seed(7)
@@ -172,8 +172,10 @@ def exact_check(failures: list) -> None:
                     log(f"{name}: FAILED {first_line(e)}")
                     failures.append(f"{name}: {first_line(e)}")
                     continue
-                bad = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-                bad_tl = int((got_tl.view(torch.int16) != want.view(torch.int16)).sum())
+                # values, not bits: an entry's -0.0 comes out +0.0 (0 + P * -0.0), in both kernels
+                # (the H200 run of session 13 counted those as bit mismatches, max abs 0)
+                bad = int((got.float() != want.float()).sum())
+                bad_tl = int((got_tl.float() != want.float()).sum())
                 log(f"{name}: gluon mismatches {bad} / {want.numel()} (tl kernel: {bad_tl}), max abs "
                     f"{err(got, want):.3g}")
                 if bad:

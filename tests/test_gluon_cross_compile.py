@@ -22,9 +22,9 @@ from compiled_worker import run_worker
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
 # v0: the default (64-row blocks x 2 stages) and the 32-row x 4-stage config of the sweep
-CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
-           "split1_n32": dict(num_splits=1, block_n=32, num_stages=4), "split2_n32": dict(num_splits=2, block_n=32,
-                                                                                           num_stages=4),
+CONFIGS = {"split1": dict(num_splits=1, variant="v0"), "split2": dict(num_splits=2, variant="v0"),
+           "split1_n32": dict(num_splits=1, block_n=32, num_stages=4, variant="v0"),
+           "split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v0"),
            # v1 (q in registers, split-K scores, warp-specialized warpgroups) at its intended
            # 32-row blocks x 6 stages; at 64 x 3 it fits shared memory but spills (176 B)
            "v1_split1": dict(num_splits=1, block_n=32, num_stages=6, variant="v1"),
@@ -36,9 +36,9 @@ CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),
            # v3 (v0 with the ring refill issued at the top of an iteration) at v0's configs
            "v3_split1": dict(num_splits=1, variant="v3"), "v3_split2": dict(num_splits=2, variant="v3"),
            "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3")}
-V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant", "v0") in ("v0", "v3")]
-V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v1"]
-V2_CONFIGS = [c for c in CONFIGS if CONFIGS[c].get("variant") == "v2"]
+V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] in ("v0", "v3")]
+V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] == "v1"]
+V2_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] == "v2"]
 SMEM_LIMIT = 232448
 
 
@@ -263,7 +263,7 @@ def test_scores_in_flight_through_softmax(compiled, config):
     assert "error" not in r, r["error"]
     res, block_n = r["resources"], r["meta"]["BLOCK_N"]
     assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
-    if CONFIGS[config].get("variant", "v0") == "v2":
+    if CONFIGS[config]["variant"] == "v2":
         assert max(res["ex2_under_scores"]) > 0, res
         assert res["wgmma_count"] == D // 16 + 2 * (D // 16 + block_n // 16), res
     else:
@@ -279,7 +279,7 @@ def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
     assert "error" not in r, r["error"]
     counts = r["resources"]["cp_wait_under_pv"]
     assert counts, r["resources"]
-    if CONFIGS[config].get("variant") == "v3":
+    if CONFIGS[config]["variant"] == "v3":
         assert max(counts) > 0, r["resources"]
     else:
         assert max(counts) == 0, r["resources"]

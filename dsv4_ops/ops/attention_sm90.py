@@ -3,7 +3,8 @@
 ``dsv4::sparse_attention`` routes here, while it is traced or run, when :func:`applies`: bf16
 decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
 float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
-(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory). Everything
+(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory; from batch
+``FP8_MIN_BATCH`` on, where the H200 measured it faster than the Triton FP8 kernel). Everything
 else -- prefill, other widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels
 have each warpgroup score its own half of a row block, which ``tl`` cannot express
 (BENCHMARKS.md, sessions 12 and 13).
@@ -14,7 +15,7 @@ graphs replay like any launch. AOTInductor cannot call a Python op from its C++ 
 ``dsv4_ops.export`` traces under :func:`disabled`: packages keep the Triton kernel.
 
 ``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off; ``DSV4_OPS_GLUON_VARIANT``
-picks the bf16 kernel's variant (default ``v0``; for measurements). A compiled graph keeps the
+picks the bf16 kernel's variant (default ``v3``; for measurements). A compiled graph keeps the
 route it was traced with, and so may torch's on-disk compile cache (its key is the graph before
 the route is taken): use a fresh ``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
 """
@@ -32,7 +33,10 @@ _enabled = os.environ.get(ENV, "1").strip() != "0"
 # the bf16 kernel's variant (lowering/gluon/sparse_attention.py VARIANTS); for measuring the others
 # through the public op (benchmarks, GPU tests): an unknown name is a ValueError at the first call
 VARIANT_ENV = "DSV4_OPS_GLUON_VARIANT"
-variant = os.environ.get(VARIANT_ENV, "v0").strip() or "v0"
+variant = os.environ.get(VARIANT_ENV, "v3").strip() or "v3"
+# FP8 caches take the Gluon reader from this batch on: the H200 measured it faster at 64 and 128
+# (CSA 32K: 53.4 against 57.9 us, 82.9 against 97.3) and slower at 1 (22.2 against 20.1; session 13)
+FP8_MIN_BATCH = 64
 # eager / tracing invocations of the kernel launcher (a CUDA-graph replay runs no Python)
 stats = {"launches": 0}
 
@@ -66,7 +70,7 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
         return False
     if _fp8_caches(kv, cmp):  # FP8 pages (FlashMLA's MODEL1 layout), the window FP8 or bf16
         from ..lowering.gluon.sparse_attention_fp8 import serves
-        return serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
+        return B >= FP8_MIN_BATCH and serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
     return (kv.dim() == 3 and cmp.dim() == 3 and kv.dtype == cmp.dtype == torch.bfloat16
             and kv.shape[1] + cmp.shape[1] > 0)
 

@@ -1,8 +1,8 @@
 """Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1).
 
 What ``dsv4::sparse_attention`` runs for bf16 decode at V4's widths on an sm_90 GPU (routed by
-``dsv4_ops/ops/attention_sm90.py``): CSA B=64 x 32K 37.8 us against the tl kernel's 48.0
-(H200, session 12; BENCHMARKS.md).
+``dsv4_ops/ops/attention_sm90.py``): CSA B=64 x 32K 33.7 us (v3) against the tl kernel's 48.0
+(H200, session 13; BENCHMARKS.md).
 
 Same contract and launch split as ``lowering.triton.sparse_attention`` (one program per token
 and split, the virtual entry list window | picked | dense prefix, sink folded at the end, the
@@ -26,7 +26,7 @@ Ordering: cp.async writes and plain shared stores are generic-proxy writes that 
 proxy) reads, hence ``fence_async_shared`` by the writing threads and then a CTA barrier
 before a wgmma reads them. Checked on the H200 (session 12: errors equal to the tl kernel's).
 
-Variants (``variant=`` of the launchers, ``VARIANTS``; the default stays ``v0``):
+Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, session 13):
 
 - ``v0``: the kernel above (``sparse_attention_gluon_kernel``, 8 warps).
 - ``v1`` (``sparse_attention_gluon_qreg_kernel``, FlashMLA's split): q lives in registers, not
@@ -40,14 +40,20 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default stays ``v0``)
   Correct on the H200 but no faster than v0 (CSA B=64 x 32K: 39.7 against 36.7 us; B=128:
   56.6 against 57.7; session 12), so not the default: it halves the score columns' smem reads
   but doubles the score wgmma count, and both warpgroups run the softmax.
-- ``v2`` (``sparse_attention_gluon_lookahead_kernel``; cross-compiled only): v0 with the scores of
+- ``v2`` (``sparse_attention_gluon_lookahead_kernel``): v0 with the scores of
   block j + 1 issued (async) before the softmax of block j, so the tensor cores run under the
   softmax (FA3's intra-warpgroup overlap); two score accumulators live. Needs >= 3 ring slots
   (blocks j, j + 1, j + 2 at once: the invariant is in its docstring), so 32-row blocks x 3 or
   4 stages (64 x 3: 271,616 B of shared memory). 32 x 4: 232 registers, no spills, 201,728 B;
   two blocks an iteration and wait_group 0 only, or ptxas serializes the wgmmas (C7514).
+  Correct on the H200 and slower than v0 (CSA B=64 x 32K: 39.7 against 36.8 us; session 13).
+- ``v3`` (the default; v0's kernel with ``PREFETCH_EARLY``): the ring refill is issued at the top
+  of an iteration instead of after the scores and the row-max barrier, and waited for once
+  P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
+  the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
+  36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
 
-Diagnostics (v0 only; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
+Diagnostics (v0 and v3; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
 difference on the GPU (``benchmarks/gluon_attention_check.py --diagnose``); results are wrong:
 ``no_gather`` no row copies after the prologue (blocks reuse the slots already loaded; index
 loads and bias stores stay), ``no_pv`` no P @ rows (P still stored), ``no_softmax`` P = the
@@ -705,7 +711,7 @@ DEFAULT_BLOCKS = {"v0": (64, 2), "v1": (32, 6), "v2": (32, 4), "v3": (64, 2)}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                 block_n: int | None = None, num_stages: int | None = None, variant: str = "v0") -> dict:
+                 block_n: int | None = None, num_stages: int | None = None, variant: str = "v3") -> dict:
     """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the
     kernel and warp count of ``variant`` (VARIANTS).
 
@@ -771,10 +777,10 @@ def _diag_meta(variant: str, diag: dict | None) -> dict:
 
 
 def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
-                 out=None, variant="v0", *, diag=None):
+                 out=None, variant="v3", *, diag=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
-    switches (``DIAG``; v0 only), e.g. ``dict(no_gather=True)``: the result is then wrong."""
+    switches (``DIAG``; v0 and v3), e.g. ``dict(no_gather=True)``: the result is then wrong."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
     diag_meta = _diag_meta(variant, diag)
     B, _, H, D = q.shape
@@ -825,7 +831,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=None, num_stages=None, out=None, variant="v0", diag=None) -> torch.Tensor:
+                           block_n=None, num_stages=None, out=None, variant="v3", diag=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
     (H = 64, D = 512, S = 1, float caches); ValueError for anything else. ``diag``: see
     ``gluon_launch`` (timing only: wrong results)."""
