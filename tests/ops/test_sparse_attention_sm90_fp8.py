@@ -37,8 +37,9 @@ def fp8_inputs(B, W=128, K=512, Nc=2048, prefix=0, float_window=False, seed=0):
     else:
         kv = fp8_pages(torch.randn(B, 128, D, generator=g, **dev), 128)
     n_kv = 256 if float_window else 128
+    # no pool: an empty FP8 page cache (the public op takes an FP8 window with an FP8 pool only)
     cmp = fp8_pages(torch.randn(B, Nc, D, generator=g, **dev), 64) if Nc else \
-        torch.empty(B, 0, D, dtype=torch.bfloat16, **dev)
+        torch.empty(B, 0, 64, kv.shape[-1] if kv.dtype == torch.uint8 else 584, dtype=torch.uint8, **dev)
     kv_idx = torch.randint(-1, n_kv, (B, 1, W), generator=g, dtype=I32, **dev)
     cmp_idx = torch.randint(-1, Nc, (B, 1, K), generator=g, dtype=I32, **dev) if Nc else \
         torch.full((B, 1, K), -1, dtype=I32, **dev)
