@@ -54,8 +54,11 @@ decoded rows + P ``64 x BLOCK_N x 2`` B + the bias ring and the maxima (the sm_9
 232,448 B). Configs: 32-row blocks, 4 stages, two decoded buffers (~215 KB; the default) or
 64-row blocks, 2 stages, one decoded buffer (~221 KB).
 
-Status: cross-compiled for sm_90 only (``tests/test_gluon_fp8_cross_compile.py``); the H200 check
-is ``benchmarks/gluon_fp8_attention_check.py``.
+Status: routed from batch 64 on (``dsv4_ops/ops/attention_sm90.py``). H200, session 13 (32 x 4
+stages, two decoded buffers): CSA 32K B=64 53.3 us against the tl kernel's 57.7, B=128 83.7
+against 97.7; batch 1 22.2 against 20.1. Exact check, GPU tests:
+``benchmarks/gluon_fp8_attention_check.py``, ``tests/ops/test_sparse_attention_sm90_fp8.py``;
+cross-compile: ``tests/test_gluon_fp8_cross_compile.py``.
 """
 from __future__ import annotations
 
