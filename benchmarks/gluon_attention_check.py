@@ -167,6 +167,7 @@ SWEEP_CONFIGS = {
     "v1": [(32, 4), (32, 6), (64, 2), (64, 3)],
     "v2": [(32, 3), (32, 4)],
     "v3": [(32, 4), (64, 2)],
+    "v4": [(64, 2)],
 }
 
 # --diagnose: (name, diag switches) of the v0 default config, each timed against the default

@@ -52,6 +52,8 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, se
   P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
   the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
   36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
+- ``v4`` (cross-compiled only): v3 with q copied by cp.async in block 0's group (``Q_ASYNC``), for
+  the fixed cost a call pays before its first block (13.4 us at B=128 with no blocks at all).
 
 Diagnostics (v0 and v3; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
 difference on the GPU (``benchmarks/gluon_attention_check.py --diagnose``); results are wrong:
@@ -149,12 +151,15 @@ def sparse_attention_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     DIAG_NO_GATHER: gl.constexpr = False, DIAG_NO_PV: gl.constexpr = False, DIAG_NO_SOFTMAX: gl.constexpr = False,
     DIAG_NO_INDEX: gl.constexpr = False, DIAG_MAX_BLOCKS: gl.constexpr = -1,
-    PREFETCH_EARLY: gl.constexpr = False,
+    PREFETCH_EARLY: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
 ):
     """``PREFETCH_EARLY`` (variant v3): the refill of the ring is issued at the top of an
     iteration, not after the scores and the row-max barrier; P @ rows is then waited for in its
     own iteration (a third barrier frees its slot), so block j + 1's copy runs under block j's
     scores, softmax and P @ rows instead of its softmax only.
+
+    ``Q_ASYNC`` (variant v4): q reaches shared memory by cp.async in the same group as block 0's
+    rows, so its load overlaps the first index loads and gather instead of preceding them.
 
     The DIAG_* switches (``gluon_launch(diag=...)``, module docstring) each remove one stage
     for timing by difference; results are then wrong. Off (the defaults), the PTX is the same
@@ -192,8 +197,12 @@ def sparse_attention_gluon_kernel(
 
     offs_d = gl.arange(0, D, layout=cols_l)
     offs_hq = gl.arange(0, BLOCK_H, layout=rows_l)
-    q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
+    if Q_ASYNC:  # committed with block 0's rows (the prologue's first group), waited for with them
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
+        cp.async_copy_global_to_shared(q_smem, q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
+    else:
+        q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
     ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
     bias_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
@@ -693,7 +702,7 @@ DIAG = {
     "no_index": ("DIAG_NO_INDEX", False),
     "max_blocks": ("DIAG_MAX_BLOCKS", -1),
 }
-DIAG_VARIANTS = ("v0", "v3")
+DIAG_VARIANTS = ("v0", "v3", "v4")
 
 # variant -> (kernel, num_warps of the launch); module docstring: what each one changes
 VARIANTS = {
@@ -701,13 +710,15 @@ VARIANTS = {
     "v1": (sparse_attention_gluon_qreg_kernel, 4),
     "v2": (sparse_attention_gluon_lookahead_kernel, NUM_WARPS),
     "v3": (sparse_attention_gluon_kernel, NUM_WARPS),
+    "v4": (sparse_attention_gluon_kernel, NUM_WARPS),
 }
 # constexprs a variant adds to its kernel's launch
-VARIANT_META = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
+VARIANT_META = {"v0": dict(PREFETCH_EARLY=False, Q_ASYNC=False), "v3": dict(PREFETCH_EARLY=True, Q_ASYNC=False),
+                "v4": dict(PREFETCH_EARLY=True, Q_ASYNC=True)}
 # ring depth a variant needs (v2: blocks j, j + 1 and j + 2 resident at once; its docstring)
-MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3, "v3": 2}
+MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3, "v3": 2, "v4": 2}
 # (BLOCK_N, NUM_STAGES) a variant launches with unless told: its best (or intended) config
-DEFAULT_BLOCKS = {"v0": (64, 2), "v1": (32, 6), "v2": (32, 4), "v3": (64, 2)}
+DEFAULT_BLOCKS = {"v0": (64, 2), "v1": (32, 6), "v2": (32, 4), "v3": (64, 2), "v4": (64, 2)}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
