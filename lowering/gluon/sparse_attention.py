@@ -52,8 +52,9 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, se
   P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
   the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
   36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
-- ``v4`` (cross-compiled only): v3 with q copied by cp.async in block 0's group (``Q_ASYNC``), for
-  the fixed cost a call pays before its first block (13.4 us at B=128 with no blocks at all).
+- ``v4``: v3 with q copied by cp.async in block 0's group (``Q_ASYNC``), for the fixed cost a call
+  pays before its first block. Correct on the H200 and no faster (session 13, CSA 32K: B=64 33.0
+  against 32.8 us, B=128 53.7 against 53.3; with no blocks at all 12.5 against 13.4).
 
 Diagnostics (v0 and v3; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
 difference on the GPU (``benchmarks/gluon_attention_check.py --diagnose``); results are wrong:
