@@ -1,9 +1,8 @@
 """The Gluon decode-attention prototype (``lowering/gluon/sparse_attention.py``) compiles for
 sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
 splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
-and the point of the kernel -- each warpgroup computes its own half of the scores (v0), or
-its own K half of every score from q in registers (v1), and the next block's scores in flight
-through this block's softmax (v2).
+and the point of the kernel -- each warpgroup computes its own half of the scores, and (v3, the
+default) the next block's rows are waited for under this block's P @ rows, not before it (v0).
 
 The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
 ``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
@@ -21,26 +20,13 @@ from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
-# v0: the default (64-row blocks x 2 stages) and the 32-row x 4-stage config of the sweep
+# v0 (the session-12 kernel): 64-row blocks x 2 stages and the 32-row x 4-stage config of the sweep
 CONFIGS = {"split1": dict(num_splits=1, variant="v0"), "split2": dict(num_splits=2, variant="v0"),
            "split1_n32": dict(num_splits=1, block_n=32, num_stages=4, variant="v0"),
            "split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v0"),
-           # v1 (q in registers, split-K scores, warp-specialized warpgroups) at its intended
-           # 32-row blocks x 6 stages; at 64 x 3 it fits shared memory but spills (176 B)
-           "v1_split1": dict(num_splits=1, block_n=32, num_stages=6, variant="v1"),
-           "v1_split2": dict(num_splits=2, block_n=32, num_stages=6, variant="v1"),
-           # v2 (the next block's scores issued before this block's softmax) at 32 x 4; 32 x 3 also
-           # fits, 64 x 3 does not (271,616 B) and spills
-           "v2_split1": dict(num_splits=1, block_n=32, num_stages=4, variant="v2"),
-           "v2_split2": dict(num_splits=2, block_n=32, num_stages=4, variant="v2"),
            # v3 (v0 with the ring refill issued at the top of an iteration) at v0's configs
            "v3_split1": dict(num_splits=1, variant="v3"), "v3_split2": dict(num_splits=2, variant="v3"),
-           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3"),
-           # v4 (v3 with q copied by cp.async)
-           "v4_split1": dict(num_splits=1, variant="v4"), "v4_split2": dict(num_splits=2, variant="v4")}
-V0_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] in ("v0", "v3", "v4")]
-V1_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] == "v1"]
-V2_CONFIGS = [c for c in CONFIGS if CONFIGS[c]["variant"] == "v2"]
+           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3")}
 SMEM_LIMIT = 232448
 
 
@@ -110,20 +96,10 @@ def _resources(compiled) -> dict:
     # wgmma.mma_async.sync.aligned.m64n<N>k16.f32.bf16.bf16: one N per distinct instruction shape
     res["wgmma_n"] = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)})
     res["wgmma_count"] = len(re.findall(r"wgmma\.mma_async", ptx))
-    # A operand from registers: "{acc regs}, {a regs}, descB"; from shared memory: "{acc}, descA"
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16\s*\{[^}]*\},\s*(\{|%rd)", ptx)
-    res["wgmma_a_regs_n"] = sorted({int(n) for n, a in wgmma if a == "{"})
-    res["wgmma_a_smem_n"] = sorted({int(n) for n, a in wgmma if a != "{"})
-    res["wgmma_a_regs"] = sum(a == "{" for _, a in wgmma)
-    res["setmaxnreg"] = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
     res["cp_async"] = len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
     # masked lanes must zero-fill: cp.async with a src-size operand
     res["cp_async_zfill"] = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10,\s*%r",
                                            ptx))
-    # per group of score wgmmas (N = the smallest shape): ex2 instructions between its commit and
-    # the next wgmma wait -- the softmax running while those scores are in flight (v2), or none
-    # (v0: the scores are waited for before their own softmax)
-    res["ex2_under_scores"] = _under_wgmma(ptx, "score", "ex2.")
     # per group of P @ rows wgmmas: cp.async waits while it is in flight (v3: the next block's
     # rows are waited for under P @ rows; v0 waits for them before issuing it)
     res["cp_wait_under_pv"] = _under_wgmma(ptx, "pv", "cp.async.wait_group")
@@ -211,7 +187,7 @@ def test_compiles_without_spills(compiled, config):
         assert res["stack"] == 0 and res["local"] in (0, -1), res
 
 
-@pytest.mark.parametrize("config", V0_CONFIGS)
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_scores_split_across_warpgroups(compiled, config):
     """Two wgmma shapes: the scores at N = BLOCK_N / 2 (each warpgroup its own columns; with
     warps [8, 1] it would be N = BLOCK_N and twice the instructions) and P @ rows at N = 256
@@ -224,55 +200,17 @@ def test_scores_split_across_warpgroups(compiled, config):
     assert res["wgmma_count"] == D // 16 + block_n // 16, res
 
 
-@pytest.mark.parametrize("config", V1_CONFIGS)
-def test_v1_split_k_from_registers(compiled, config):
-    """v1: every wgmma reads A from registers (q for the scores, P for P @ rows: no descA), the
-    scores at N = BLOCK_N over K = D / 2 per warpgroup (D / 32 instructions each, in each of the
-    two partitions' code), P @ rows at N = D / 2; no shared q buffer (shared memory is the two
-    half-row rings, their bias slots, the two partial-score tiles and 4 mbarriers); both
-    partitions at the whole register file (256 a thread: 2 x 128 threads x 256 = 64K)."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    res, m = r["resources"], r["meta"]
-    bn, st = m["BLOCK_N"], m["NUM_STAGES"]
-    assert res["wgmma_a_smem_n"] == [] and res["wgmma_a_regs_n"] == sorted({bn, D // 2}), res
-    per_wg = (D // 2) // 16 + bn // 16
-    assert res["wgmma_count"] == res["wgmma_a_regs"] == 2 * per_wg, res
-    explicit = 2 * st * bn * (D // 2) * 2 + 2 * st * bn * 4 + 2 * H * bn * 4 + 4 * 8
-    assert explicit <= res["shared"] <= explicit + 1024, (explicit, res)
-    assert res["setmaxnreg"] and {int(n) for _, n in res["setmaxnreg"]} == {256}, res
-
-
-@pytest.mark.parametrize("config", V0_CONFIGS + V2_CONFIGS)
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_wgmma_not_serialized(compiled, config):
-    """ptxas keeps the async wgmmas async (no C7514): v2 carries S(j + 1) in flight through a
-    loop iteration, which is what ptxas rejects if a move of those registers precedes their wait
-    (one block an iteration at split 1) or the wait is not wait_group 0 (wait(1) at the top)."""
+    """ptxas keeps the async wgmmas async (no C7514: P @ rows stays in flight into the next
+    block's scores in v0, and under the copy wait in v3)."""
     res = compiled[config]["resources"]
     if "wgmma_serialized" not in res:
         pytest.skip("no ptxas in this Triton wheel")
     assert res["wgmma_serialized"] is False, res
 
 
-@pytest.mark.parametrize("config", V0_CONFIGS + V2_CONFIGS)
-def test_scores_in_flight_through_softmax(compiled, config):
-    """v2: some group of score wgmmas is still in flight (committed, not yet waited for) while ex2
-    instructions of the softmax run -- the next block's scores under this block's softmax; v0
-    waits for its scores before any ex2. One scores group in the prologue and one in each half
-    of v2's two-block loop body; each warpgroup issues the wgmmas of both dots: D / 16 score
-    steps a group, BLOCK_N / 16 P @ rows steps."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
-    assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
-    if CONFIGS[config]["variant"] == "v2":
-        assert max(res["ex2_under_scores"]) > 0, res
-        assert res["wgmma_count"] == D // 16 + 2 * (D // 16 + block_n // 16), res
-    else:
-        assert res["ex2_under_scores"] and max(res["ex2_under_scores"]) == 0, res
-
-
-@pytest.mark.parametrize("config", V0_CONFIGS)
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
     """v3 issues the ring refill at the top of an iteration and waits for it only once P @ rows
     is in flight (the copy then runs under the scores, the softmax and P @ rows); v0 waits for it
@@ -281,7 +219,7 @@ def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
     assert "error" not in r, r["error"]
     counts = r["resources"]["cp_wait_under_pv"]
     assert counts, r["resources"]
-    if CONFIGS[config]["variant"] in ("v3", "v4"):
+    if CONFIGS[config]["variant"] == "v3":
         assert max(counts) > 0, r["resources"]
     else:
         assert max(counts) == 0, r["resources"]
@@ -290,19 +228,15 @@ def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_gather_is_cp_async_with_zero_fill(compiled, config):
     """Rows are gathered by 16-byte cp.async whose src-size is a register (0 for masked lanes:
-    the ring slot is zero-filled, so a masked row contributes 0, never stale data). v4 also
-    copies q by cp.async, unmasked: 64 x 512 bf16 over 256 threads, 16 copies a thread."""
+    the ring slot is zero-filled, so a masked row contributes 0, never stale data)."""
     res = compiled[config]["resources"]
-    q_copies = H * D * 2 // (8 * 32 * 16) if CONFIGS[config]["variant"] == "v4" else 0
-    assert res["cp_async_zfill"] > 0 and res["cp_async"] - res["cp_async_zfill"] == q_copies, res
+    assert res["cp_async"] > 0 and res["cp_async_zfill"] == res["cp_async"], res
 
 
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
-    assert compiled["v1_split1"]["launches"] == 1 and compiled["v1_split2"]["launches"] == 2
-    assert compiled["v1_split2"]["meta"]["num_warps"] == 4  # + a 4-warp worker partition
-    assert compiled["v2_split1"]["launches"] == 1 and compiled["v2_split2"]["launches"] == 2
+    assert compiled["v3_split1"]["launches"] == 1 and compiled["v3_split2"]["launches"] == 2
 
 
 if __name__ == "__main__":

@@ -29,32 +29,15 @@ before a wgmma reads them. Checked on the H200 (session 12: errors equal to the 
 Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, session 13):
 
 - ``v0``: the kernel above (``sparse_attention_gluon_kernel``, 8 warps).
-- ``v1`` (``sparse_attention_gluon_qreg_kernel``, FlashMLA's split): q lives in registers, not
-  shared memory, and D is split instead of the score columns. A 4-warp default partition and a
-  4-warp worker partition (``gl.warp_specialize``) each own half of D: they gather their half
-  of every row into their own ring, compute partial scores ``q[:, half] @ rows[:, half]^T``
-  (wgmma A from registers), swap the fp32 partials through shared memory (mbarriers
-  ``xfull`` / ``xempty``, one tile a warpgroup), both do the softmax on the full scores, and
-  ``acc[:, half] += P @ rows[:, half]`` with P still in registers. No q buffer and no P
-  buffer: 32-row blocks fit 6 stages (215 KB), 64-row blocks 3 (231 KB, but those spill).
-  Correct on the H200 but no faster than v0 (CSA B=64 x 32K: 39.7 against 36.7 us; B=128:
-  56.6 against 57.7; session 12), so not the default: it halves the score columns' smem reads
-  but doubles the score wgmma count, and both warpgroups run the softmax.
-- ``v2`` (``sparse_attention_gluon_lookahead_kernel``): v0 with the scores of
-  block j + 1 issued (async) before the softmax of block j, so the tensor cores run under the
-  softmax (FA3's intra-warpgroup overlap); two score accumulators live. Needs >= 3 ring slots
-  (blocks j, j + 1, j + 2 at once: the invariant is in its docstring), so 32-row blocks x 3 or
-  4 stages (64 x 3: 271,616 B of shared memory). 32 x 4: 232 registers, no spills, 201,728 B;
-  two blocks an iteration and wait_group 0 only, or ptxas serializes the wgmmas (C7514).
-  Correct on the H200 and slower than v0 (CSA B=64 x 32K: 39.7 against 36.8 us; session 13).
 - ``v3`` (the default; v0's kernel with ``PREFETCH_EARLY``): the ring refill is issued at the top
   of an iteration instead of after the scores and the row-max barrier, and waited for once
   P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
   the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
   36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
-- ``v4``: v3 with q copied by cp.async in block 0's group (``Q_ASYNC``), for the fixed cost a call
-  pays before its first block. Correct on the H200 and no faster (session 13, CSA 32K: B=64 33.0
-  against 32.8 us, B=128 53.7 against 53.3; with no blocks at all 12.5 against 13.4).
+- Measured on the H200 and removed (BENCHMARKS.md, sessions 12-13; the code is in git history
+  before session 13's cleanup): q in registers with FlashMLA's split of D over two
+  warp-specialised warpgroups (no faster), the next block's scores issued under this block's
+  softmax (slower), and q copied by cp.async with block 0 (no faster).
 
 Diagnostics (v0 and v3; ``gluon_launch(..., diag=dict(no_gather=True))``, ``DIAG``), for timing by
 difference on the GPU (``benchmarks/gluon_attention_check.py --diagnose``); results are wrong:
@@ -71,20 +54,17 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
-__all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel", "sparse_attention_gluon_qreg_kernel",
-           "sparse_attention_gluon_lookahead_kernel",
+__all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel",
            "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS", "DIAG"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM = 64, 512
-QREG_WORKER_REGS = gl.constexpr(256)
 
 
 @gluon.jit
@@ -152,15 +132,12 @@ def sparse_attention_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     DIAG_NO_GATHER: gl.constexpr = False, DIAG_NO_PV: gl.constexpr = False, DIAG_NO_SOFTMAX: gl.constexpr = False,
     DIAG_NO_INDEX: gl.constexpr = False, DIAG_MAX_BLOCKS: gl.constexpr = -1,
-    PREFETCH_EARLY: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
+    PREFETCH_EARLY: gl.constexpr = False,
 ):
     """``PREFETCH_EARLY`` (variant v3): the refill of the ring is issued at the top of an
     iteration, not after the scores and the row-max barrier; P @ rows is then waited for in its
     own iteration (a third barrier frees its slot), so block j + 1's copy runs under block j's
     scores, softmax and P @ rows instead of its softmax only.
-
-    ``Q_ASYNC`` (variant v4): q reaches shared memory by cp.async in the same group as block 0's
-    rows, so its load overlaps the first index loads and gather instead of preceding them.
 
     The DIAG_* switches (``gluon_launch(diag=...)``, module docstring) each remove one stage
     for timing by difference; results are then wrong. Off (the defaults), the PTX is the same
@@ -198,12 +175,8 @@ def sparse_attention_gluon_kernel(
 
     offs_d = gl.arange(0, D, layout=cols_l)
     offs_hq = gl.arange(0, BLOCK_H, layout=rows_l)
-    if Q_ASYNC:  # committed with block 0's rows (the prologue's first group), waited for with them
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
-        cp.async_copy_global_to_shared(q_smem, q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
-    else:
-        q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
+    q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
     ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
     bias_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
@@ -327,374 +300,6 @@ def sparse_attention_gluon_kernel(
         gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
 
 
-@gluon.jit
-def sparse_attention_gluon_lookahead_kernel(
-    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e,
-    N_KV, N_CMP, W, K,
-    sq_b, sq_h,
-    skv_b, skv_n,
-    swi_b, swi_w,
-    sc_b, sc_n,
-    sci_b, sci_k,
-    scl_b,
-    so_b, so_h,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-):
-    """Variant v2: v0 with the scores of block j + 1 issued before the softmax of block j, so
-    that the tensor cores compute S(j + 1) while the CUDA cores run softmax(j).
-
-    Per warpgroup and block j: wait(0) (S(j) and PV(j - 1) done), issue S(j + 1), softmax(j)
-    with B1 (row max exchange) and B2 (P published), issue PV(j). Two score accumulators are
-    live through the softmax: s (block j, read) and s_nxt (block j + 1, in flight). Only
-    wait(0) completes a wgmma that crosses the loop's back edge: with wait(1) at the top (to
-    keep PV(j - 1) running into the softmax too) ptxas cannot tell which group completed and
-    serializes every wgmma of the kernel (C7514), so PV(j) still runs exposed, as in v0.
-
-    Ring invariant (block b in slot b % NUM_STAGES). Readers of a slot: S(b), issued at the top
-    of iteration b - 1, and PV(b), issued at the end of iteration b and waited for by each
-    warpgroup at the top of iteration b + 1. So the slot of block j - 1 is free after B1(j)
-    (both warpgroups past that wait), where it is refilled with block j + NUM_STAGES - 1; and
-    S(j + 2), issued at the top of iteration j + 1, needs block j + 2 published by B2(j). Blocks
-    j (PV to come), j + 1 (S in flight) and j + 2 (landing) hold slots at once: NUM_STAGES >= 3.
-    With 3, the block waited for at B2(j) is the one issued at B1(j) (v0's exposure at 2
-    stages); 4 give its copies a whole iteration. cp.async groups: NUM_STAGES - 1 in the
-    prologue and one an iteration (after B1), so at B2(j) blocks 0 .. j + NUM_STAGES - 1 are
-    committed and block j + 2 has landed once at most NUM_STAGES - 3 are pending (in the
-    prologue: blocks 0 and 1 for S(0) and S(1)). P is single-buffered: P(j) is stored after
-    B1(j), when PV(j - 1), its reader, is done in both warpgroups. The loop's last block issues
-    S on an all-masked (zero) block past hi: wasted tensor work, cheaper than a branch.
-    """
-    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
-    gl.static_assert(NUM_STAGES >= 3, "blocks j (PV), j + 1 (S in flight) and j + 2 (landing) need 3 slots")
-    pid_t = gl.program_id(0)
-    pid_sp = gl.program_id(1)
-    scale_log2e = scale_log2e.to(gl.float32)
-    b = pid_t.to(gl.int64)
-
-    # layouts: v0's (sparse_attention_gluon_kernel)
-    gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, gather_l)
-    cols_l: gl.constexpr = gl.SliceLayout(0, gather_l)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D // 2, 16])
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
-    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    red_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    pair_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
-    bias_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-
-    offs_d = gl.arange(0, D, layout=cols_l)
-    offs_hq = gl.arange(0, BLOCK_H, layout=rows_l)
-    q = gl.load(q_ptr + b * sq_b + offs_hq[:, None] * sq_h + offs_d[None, :])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl, q)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
-    bias_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
-    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
-
-    clen = gl.load(cmp_len_ptr + b * scl_b)
-    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
-    total = W + K + clen
-    if NUM_SPLITS > 1:
-        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = pid_sp * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = 0
-        hi = total
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-
-    kv_row0 = kv_ptr + b * skv_b
-    cmp_row0 = cmp_ptr + b * sc_b
-    widx_row = kv_idx_ptr + b * swi_b
-    cidx_row = cmp_idx_ptr + b * sci_b
-
-    v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
-    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
-    for st in gl.static_range(NUM_STAGES - 1):
-        _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
-        cp.commit_group()
-        v = v + BLOCK_N
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
-    cp.wait_group(NUM_STAGES - 3)  # this thread's copies of blocks 0 and 1 landed
-    fence_async_shared()
-    gl.thread_barrier()  # ... every thread's
-
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    # S(0) left in flight: the loop's first wait completes it
-    s_nxt = warpgroup_mma(q_smem, ring.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
-    # Two blocks an iteration (static_range unrolls them), so that the score accumulator carried
-    # round the loop (S of the pair's first block, in flight) is dead before the next pair's is
-    # issued: one block an iteration carries s_nxt in flight while s is still read, the phi
-    # becomes register moves of an accumulator before its wait, and ptxas then serializes
-    # every wgmma of the kernel (C7514). An odd count gets one more, all-masked block
-    # (past hi: zero rows, bias -inf), which leaves m, l and acc exactly as they were.
-    n_pairs = gl.cdiv(n_blocks, 2)
-    for jj in range(n_pairs):
-        for h in gl.static_range(2):
-            j = 2 * jj + h
-            slot = j % NUM_STAGES
-            e = ring.index(slot)
-            s, acc = warpgroup_mma_wait(0, deps=[s_nxt, acc])  # S(j) and PV(j - 1)
-            # S(j + 1) (block j + 1 published by B2(j - 1) or the prologue) runs through this softmax:
-            # from here two score accumulators are live, s and s_nxt
-            s_nxt = warpgroup_mma(q_smem, ring.index((j + 1) % NUM_STAGES).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
-            bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
-            logits = s * scale_log2e + bias[None, :]
-            m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-            red_smem.store(m_wg)
-            gl.thread_barrier()  # B1: PV(j - 1) done in both warpgroups: its slot and P are free
-            m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
-            nxt = (j + NUM_STAGES - 1) % NUM_STAGES  # the slot of block j - 1
-            _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                        kv_row0, skv_n, cmp_row0, sc_n, offs_d)
-            cp.commit_group()
-            v = v + BLOCK_N
-            idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
-
-            m_new = gl.maximum(m_i, m_blk)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha[:, None] + p
-            m_i = m_new
-            p_smem.store(p.to(gl.bfloat16))
-            cp.wait_group(NUM_STAGES - 3)  # this thread's copies of block j + 2 landed
-            fence_async_shared()  # P and those rows visible to wgmma
-            gl.thread_barrier()  # B2: P(j) and block j + 2 published
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
-            acc = warpgroup_mma(p_smem, e, acc, is_async=True)
-    acc, s_nxt = warpgroup_mma_wait(0, deps=[acc, s_nxt])  # PV(n - 1) and the unused S(n)
-    cp.wait_group(0)  # no copy may outlive the program's shared memory
-    l_i = gl.sum(l_i, 1)
-
-    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    if NUM_SPLITS == 1:
-        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        alpha = gl.exp2(m_i - m_f)
-        denom = l_i * alpha + gl.exp2(sink - m_f)
-        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
-    else:
-        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
-        gl.store(part_m_ptr + row + offs_hs, m_i)
-        gl.store(part_l_ptr + row + offs_hs, l_i)
-        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
-
-
-@gluon.jit
-def _wg_consumer(
-    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e,
-    N_KV, N_CMP, W, K,
-    sq_b, sq_h,
-    skv_b, skv_n,
-    swi_b, swi_w,
-    sc_b, sc_n,
-    sci_b, sci_k,
-    scl_b,
-    so_b, so_h,
-    ring, bias_ring, xbuf, xfull, xempty,
-    WG: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-):
-    """One warpgroup of the ``qreg`` variant: channels ``[WG * D / 2, (WG + 1) * D / 2)`` of q,
-    of the rows (its own ring) and of the output; partial scores summed with the other one's."""
-    DH: gl.constexpr = D // 2
-    OTHER: gl.constexpr = 1 - WG
-    pid_t = gl.program_id(0)
-    pid_sp = gl.program_id(1)
-    scale_log2e = scale_log2e.to(gl.float32)
-    b = pid_t.to(gl.int64)
-
-    # gathers: a warp reads this warpgroup's 512 contiguous bytes of a row, 16 B a thread
-    gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, gather_l)
-    cols_l: gl.constexpr = gl.SliceLayout(0, gather_l)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, DH, 16])
-    # wgmma A operands from registers (k_width 2 at bf16): q for the scores, P for P @ rows
-    q_dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    p_dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-
-    # q[:, own half] straight into the A-operand registers (64 a thread), once
-    offs_qh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_dl))
-    offs_qd = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, q_dl))
-    q = gl.load(q_ptr + b * sq_b + offs_qh[:, None] * sq_h + offs_qd[None, :])
-
-    offs_d = WG * DH + gl.arange(0, DH, layout=cols_l)
-    clen = gl.load(cmp_len_ptr + b * scl_b)
-    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
-    total = W + K + clen
-    if NUM_SPLITS > 1:
-        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = pid_sp * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = 0
-        hi = total
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
-
-    kv_row0 = kv_ptr + b * skv_b
-    cmp_row0 = cmp_ptr + b * sc_b
-    widx_row = kv_idx_ptr + b * swi_b
-    cidx_row = cmp_idx_ptr + b * sci_b
-
-    for st in gl.static_range(NUM_STAGES - 1):
-        v = lo + st * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
-        _issue_rows(ring.index(st), bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
-        cp.commit_group()
-    idx = _entry_index(v + BLOCK_N, W, K, widx_row, swi_w, cidx_row, sci_k)
-    cp.wait_group(NUM_STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()  # this warpgroup's (a named barrier inside a partition)
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, DH], gl.float32, o_l))
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    # P of the P @ rows in flight: a dependency of the wait, so its registers stay untouched
-    # until that wgmma has read them
-    p = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, p_dl)
-    my_x = xbuf.index(WG)
-    other_x = xbuf.index(OTHER)
-    # Per block: two barriers of this warpgroup (named, 128 threads) and two mbarrier waits on
-    # the other one (its partial written; its read of ours done). Rows never cross warpgroups.
-    for j in range(n_blocks):
-        slot = j % NUM_STAGES
-        e = ring.index(slot)
-        s_part = warpgroup_mma(q, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_part, acc, p = warpgroup_mma_wait(0, deps=[s_part, acc, p])
-        # the other warpgroup has read our partial of block j - 1 (phase 0: the initial arrive)
-        mbarrier.wait(xempty.index(WG), j & 1)
-        my_x.store(s_part)
-        gl.thread_barrier()  # B1: our partial stored; our P @ rows of block j - 1 done
-        mbarrier.arrive(xfull.index(WG))
-        # refill the slot of block j - 1 (its P @ rows, the last reader, is done)
-        nxt = (j + NUM_STAGES - 1) % NUM_STAGES
-        # v is recomputed, not carried: BLOCK_N / 4 registers a thread fewer across the loop
-        v = lo + (j + NUM_STAGES - 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
-        _issue_rows(ring.index(nxt), bias_ring.index(nxt), v, idx, hi, W, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, offs_d)
-        cp.commit_group()
-        # the next refill's indices, a block ahead (their load latency off the refill's path)
-        idx = _entry_index(v + BLOCK_N, W, K, widx_row, swi_w, cidx_row, sci_k)
-        bias = bias_ring.index(slot).load(gl.SliceLayout(0, s_l))
-        mbarrier.wait(xfull.index(OTHER), j & 1)
-        # s0 + s1 in one warpgroup, s1 + s0 in the other: the same bits, so both hold the
-        # same m and l and either may write them
-        s = s_part + other_x.load(s_l)
-        logits = s * scale_log2e + bias[None, :]
-        m_new = gl.maximum(m_i, gl.max(logits, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p = gl.convert_layout(p.to(gl.bfloat16), p_dl)
-        cp.wait_group(NUM_STAGES - 2)  # this thread's copies of block j + 1 landed
-        fence_async_shared()
-        gl.thread_barrier()  # B2: block j + 1's rows visible; the other's partial read
-        mbarrier.arrive(xempty.index(OTHER))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
-        acc = warpgroup_mma(p, e, acc, is_async=True)
-    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-    cp.wait_group(0)
-
-    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = WG * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
-    offs_hs = gl.arange(0, BLOCK_H, layout=row_l)
-    if NUM_SPLITS == 1:
-        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        alpha = gl.exp2(m_i - m_f)
-        denom = l_i * alpha + gl.exp2(sink - m_f)
-        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
-    else:
-        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
-        if WG == 0:
-            gl.store(part_m_ptr + row + offs_hs, m_i)
-            gl.store(part_l_ptr + row + offs_hs, l_i)
-        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
-
-
-@gluon.jit
-def sparse_attention_gluon_qreg_kernel(
-    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2e,
-    N_KV, N_CMP, W, K,
-    sq_b, sq_h,
-    skv_b, skv_n,
-    swi_b, swi_w,
-    sc_b, sc_n,
-    sci_b, sci_k,
-    scl_b,
-    so_b, so_h,
-    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    NUM_SPLITS: gl.constexpr,
-):
-    """Variant ``qreg``: launched with 4 warps (the default partition, warpgroup 0) plus a
-    4-warp worker partition (warpgroup 1), the same code on the other half of D."""
-    gl.static_assert(gl.num_warps() == 4, "the default partition is one warpgroup")
-    gl.static_assert(NUM_STAGES >= 2)
-    DH: gl.constexpr = D // 2
-    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DH], gl.bfloat16)
-    bias_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    # the scores' accumulator layout stores 8 rows x 32 B a warp instruction: 16-byte units
-    # XOR-swizzled by row put those rows in different banks (unswizzled, a 128- or 256-byte
-    # row pitch would stack them in the same 32 bytes)
-    x_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    ring0 = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DH], e_sl)
-    ring1 = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DH], e_sl)
-    bias0 = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
-    bias1 = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_N], bias_sl)
-    # one fp32 partial-score tile a warpgroup: single-buffered (xempty guards the reuse) so that
-    # 64-row blocks fit 3 stages
-    xbuf = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H, BLOCK_N], x_sl)
-    xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    xempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(xfull.index(i), count=1)
-        mbarrier.init(xempty.index(i), count=1)
-        mbarrier.arrive(xempty.index(i))  # phase 0: nothing to wait for at block 0
-    # the argument tuples are spelled out: ``tuple + tuple`` would unwrap the constexprs
-    gl.warp_specialize([
-        (_wg_consumer, (q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-                        part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2e, N_KV, N_CMP, W, K, sq_b, sq_h, skv_b,
-                        skv_n, swi_b, swi_w, sc_b, sc_n, sci_b, sci_k, scl_b, so_b, so_h,
-                        ring0, bias0, xbuf, xfull, xempty, 0, D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
-        (_wg_consumer, (q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-                        part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2e, N_KV, N_CMP, W, K, sq_b, sq_h, skv_b,
-                        skv_n, swi_b, swi_w, sc_b, sc_n, sci_b, sci_k, scl_b, so_b, so_h,
-                        ring1, bias1, xbuf, xfull, xempty, 1, D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
-    ], [4], [QREG_WORKER_REGS])
-
-
 # diag key -> (constexpr of the v0 kernel, its off value); module docstring: what each removes
 DIAG = {
     "no_gather": ("DIAG_NO_GATHER", False),
@@ -703,23 +308,19 @@ DIAG = {
     "no_index": ("DIAG_NO_INDEX", False),
     "max_blocks": ("DIAG_MAX_BLOCKS", -1),
 }
-DIAG_VARIANTS = ("v0", "v3", "v4")
+DIAG_VARIANTS = ("v0", "v3")
 
 # variant -> (kernel, num_warps of the launch); module docstring: what each one changes
 VARIANTS = {
     "v0": (sparse_attention_gluon_kernel, NUM_WARPS),
-    "v1": (sparse_attention_gluon_qreg_kernel, 4),
-    "v2": (sparse_attention_gluon_lookahead_kernel, NUM_WARPS),
     "v3": (sparse_attention_gluon_kernel, NUM_WARPS),
-    "v4": (sparse_attention_gluon_kernel, NUM_WARPS),
 }
 # constexprs a variant adds to its kernel's launch
-VARIANT_META = {"v0": dict(PREFETCH_EARLY=False, Q_ASYNC=False), "v3": dict(PREFETCH_EARLY=True, Q_ASYNC=False),
-                "v4": dict(PREFETCH_EARLY=True, Q_ASYNC=True)}
-# ring depth a variant needs (v2: blocks j, j + 1 and j + 2 resident at once; its docstring)
-MIN_STAGES = {"v0": 2, "v1": 2, "v2": 3, "v3": 2, "v4": 2}
+VARIANT_META = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
+# ring depth a variant needs
+MIN_STAGES = {"v0": 2, "v3": 2}
 # (BLOCK_N, NUM_STAGES) a variant launches with unless told: its best (or intended) config
-DEFAULT_BLOCKS = {"v0": (64, 2), "v1": (32, 6), "v2": (32, 4), "v3": (64, 2), "v4": (64, 2)}
+DEFAULT_BLOCKS = {"v0": (64, 2), "v3": (64, 2)}
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
