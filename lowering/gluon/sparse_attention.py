@@ -116,6 +116,40 @@ def _refill(ring, bias_ring, slot, v, idx, hi, W, K, N_KV, N_CMP, kv_row0, skv_n
 
 
 @gluon.jit
+def _online_softmax(logits, m_i, m_blk, l_i):
+    """One block of the online softmax (base 2): P, the rescale of what came before, the
+    running row sum (kept per score column) and the running max (``m_blk`` this block's)."""
+    m_new = gl.maximum(m_i, m_blk)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(logits - m_safe[:, None])
+    return p, alpha, l_i * alpha[:, None] + p, m_new
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
+              s_l: gl.constexpr, o_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
+              NUM_SPLITS: gl.constexpr):
+    """One split: the sink folded in and the output stored; several: this split's fp32 partials
+    (max, sum, acc) for ``combine_kernel``."""
+    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    if NUM_SPLITS == 1:
+        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(m_i, sink)
+        alpha = gl.exp2(m_i - m_f)
+        denom = l_i * alpha + gl.exp2(sink - m_f)
+        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
+        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+    else:
+        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
+        gl.store(part_m_ptr + row + offs_hs, m_i)
+        gl.store(part_l_ptr + row + offs_hs, l_i)
+        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+
+
+@gluon.jit
 def sparse_attention_gluon_kernel(
     q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -252,12 +286,7 @@ def sparse_attention_gluon_kernel(
             p = logits
             l_i = l_i + p
         else:
-            m_new = gl.maximum(m_i, m_blk)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(logits - m_safe[:, None])
-            l_i = l_i * alpha[:, None] + p
-            m_i = m_new
+            p, alpha, l_i, m_i = _online_softmax(logits, m_i, m_blk, l_i)
         p_smem.store(p.to(gl.bfloat16))
         if PREFETCH_EARLY:
             fence_async_shared()  # P visible to wgmma
@@ -279,25 +308,8 @@ def sparse_attention_gluon_kernel(
             gl.thread_barrier()  # B3: ... every thread's; slot j may be refilled
     acc = warpgroup_mma_wait(0, deps=[acc])
     cp.wait_group(0)  # no copy may outlive the program's shared memory
-    l_i = gl.sum(l_i, 1)
-
-    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    if NUM_SPLITS == 1:
-        offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        alpha = gl.exp2(m_i - m_f)
-        denom = l_i * alpha + gl.exp2(sink - m_f)
-        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
-    else:
-        H: gl.constexpr = BLOCK_H
-        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * H
-        offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-        gl.store(part_m_ptr + row + offs_hs, m_i)
-        gl.store(part_l_ptr + row + offs_hs, l_i)
-        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+    _epilogue(acc, m_i, gl.sum(l_i, 1), sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
+              so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
 
 
 # diag key -> (constexpr of the v0 kernel, its off value); module docstring: what each removes

@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
-from .sparse_attention import _entry_index
+from .sparse_attention import _entry_index, _epilogue, _online_softmax
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
@@ -358,12 +358,7 @@ def sparse_attention_gluon_fp8_kernel(
         # B1: maxima written; block j + 1's bytes visible; every warpgroup done with P and E[j - 1]
         gl.thread_barrier()
         m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
-        m_new = gl.maximum(m_i, m_blk)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha[:, None] + p
-        m_i = m_new
+        p, alpha, l_i, m_i = _online_softmax(logits, m_i, m_blk, l_i)
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()  # B2: P visible to wgmma
@@ -394,23 +389,8 @@ def sparse_attention_gluon_fp8_kernel(
         idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     acc = warpgroup_mma_wait(0, deps=[acc])
     cp.wait_group(0)  # no copy may outlive the program's shared memory
-    l_i = gl.sum(l_i, 1)
-
-    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    if NUM_SPLITS == 1:
-        sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        alpha = gl.exp2(m_i - m_f)
-        denom = l_i * alpha + gl.exp2(sink - m_f)
-        o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
-    else:
-        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
-        gl.store(part_m_ptr + row + offs_hs, m_i)
-        gl.store(part_l_ptr + row + offs_hs, l_i)
-        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+    _epilogue(acc, m_i, gl.sum(l_i, 1), sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
+              so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
 
 
 def fp8_smem_bytes(block_n: int, num_stages: int, e_bufs: int) -> int:
