@@ -52,6 +52,10 @@
 #             reference at B = 1, 64, 128 (benchmarks/gluon_fp8_attention_check.py; ~4-6 min)
 #   sweep-indexer-fused = the whole indexer_topk at 64, 128 rows x 8192, 32768 keys (32K, 128K context): unfused
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
+#   topk-cuda = the CUDA top-k (csrc/kernels/topk_rows.cu, built by nvcc on first use): its GPU tests, then its time
+#             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
+#   gather-bw = how fast the H200 reads the attention's random 1 KB rows, and contiguous ones
+#             (benchmarks/gather_bandwidth.py: the achievable gather floor at B = 64, 128)
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
 #             sweep-indexer = the indexer part only; sweep-attention = the attention part only (B=64, 128),
 #             sweep-attention-small = its split count at B=1, 16
@@ -164,6 +168,9 @@ for what in "$@"; do
     sweep-topk-rows) # the top-k pass at 16, 64, 128 rows over 8192 scores (32K context): row kernel vs split
            python3 benchmarks/sweep_kernels.py --only topk --batches 16 64 128 --out "$OUT/sweep_topk_rows.json" 2>&1 \
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
+    topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_cuda.py 2>&1 | tail -5 \
+           && python3 benchmarks/topk_diag.py --rows 1 64 128 --n 8192 32768; } 2>&1 | tee "$OUT/topk_cuda.log" || rc=1 ;;
+    gather-bw) python3 benchmarks/gather_bandwidth.py 2>&1 | tee "$OUT/gather_bandwidth.log" || rc=1 ;;
     gluon-check) python3 benchmarks/gluon_attention_check.py --sweep 2>&1 | tee "$OUT/gluon_check.log" \
            | grep -v "^\.\.\." | tail -60 || rc=1 ;;
     gluon-diagnose) python3 benchmarks/gluon_attention_check.py --diagnose 2>&1 | tee "$OUT/gluon_diagnose.log" \
@@ -205,7 +212,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from .model.attention import AttentionState
 from .model.kv_cache_dtype import check_kv_cache_dtype
 from .ops import attention_sm90 as sm90
+from .ops import topk_cuda
 from .ops._validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
@@ -181,9 +182,11 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
             files = {}
             for i, (name, (module, args)) in enumerate(programs.items()):
                 os.makedirs(os.path.join(work, name))
-                # AOTInductor's C++ runtime cannot call the Gluon attention (a Python op): Triton only
+                # AOTInductor's C++ runtime cannot call the Gluon attention or the CUDA top-k (Python
+                # ops): Triton only
                 with Progress(f"export {i + 1}/{len(programs)}: {name} program (torch.export + AOTInductor)",
-                              estimate_s=estimate, stream=None if verbose else io.StringIO()), sm90.disabled():
+                              estimate_s=estimate, stream=None if verbose else io.StringIO()), \
+                        sm90.disabled(), topk_cuda.disabled():
                     ep = exported_program(module, args)
                     files[name] = torch._inductor.aot_compile(
                         ep.module(), ep.example_inputs[0], ep.example_inputs[1],

@@ -48,7 +48,7 @@ def run_fused(poison, q, w, keys, visible, topk, chunk, **kw):
     buffers (each chunk's top-k in index order, then -1 / -inf; the reference rule on the
     reference scores), and returns stage 2's picks."""
     B, S = visible.shape
-    N = indexer._entries(keys)
+    N = indexer.entries(keys)
     out = poison(torch.empty(B, S, topk, dtype=I32, device=DEVICE))
     launches = indexer.indexer_launches(q, w, keys, visible, topk, out, config=fused(chunk, **kw))
     assert len(launches.groups) == 1

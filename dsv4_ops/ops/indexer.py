@@ -8,13 +8,15 @@ from ..lowering.triton.indexer import indexer_scores_kernel, topk_kernel, topk_r
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import _validate as v
+from . import topk_cuda
 from ._backend import use_triton
 
 
 @torch.library.triton_op("dsv4::indexer_topk", mutates_args=())
 def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
-    # Triton scores + radix top-k (same tie rule as the reference).
+    # Triton scores + radix top-k (same tie rule as the reference); on NVIDIA GPUs where it
+    # builds, the top-k is the CUDA kernel's (topk_cuda.py).
     # keys may be an FP8 key cache (rank-4 uint8 [B, pages, page, DI + 4], static): dequantised where read
     keys8 = fp8.is_fp8_cache(keys)
     torch._check(q.dim() == 4 and weights.dim() == 3 and (keys.dim() == 3 or keys8) and visible.dim() == 2,
@@ -24,6 +26,13 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     torch._check(weights.shape == q.shape[:3], lambda: "indexer_topk: weights must be [B, S, HI] of q")
     torch._check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")
     if use_triton(q):
+        B, S = visible.shape
+        N = ix.entries(keys)
+        if ix.token_group(B, S, N) == S and topk_cuda.applies((B, S, N), q.device, topk):
+            # the CUDA top-k (topk_cuda.py) after the Triton scores, all tokens in one group
+            scores, scoring = ix.scores_launch(q, weights, keys, visible)
+            wrap_triton(indexer_scores_kernel)[scoring.grid](*scoring.args, **scoring.meta)
+            return torch.ops.dsv4.topk_rows_cuda(scores, visible, topk)
         launches = ix.indexer_launches(q, weights, keys, visible, topk)
         for scores, rows, loop in launches.groups:  # one group per step, unless the scores would not fit
             wrap_triton(indexer_scores_kernel)[scores.grid](*scores.args, **scores.meta)

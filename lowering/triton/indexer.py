@@ -523,7 +523,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     where visible."""
     B, S, HI, DI = q.shape
     fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
-    N = _entries(keys)
+    N = entries(keys)
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
@@ -557,7 +557,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
                             num_stages=cfg["num_stages"], **fused))
 
 
-def _entries(keys: torch.Tensor) -> int:
+def entries(keys: torch.Tensor) -> int:
     """Entries of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one."""
     return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
 
@@ -579,7 +579,7 @@ def fused_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, v
     stage 1 fused in, (stage-2 topk_row_kernel launch,), None)`` -- a group of
     ``IndexerLaunches``; ``scores`` the ``[B, S, N]`` scratch (None: allocated)."""
     B, S = visible.shape
-    N = _entries(keys)
+    N = entries(keys)
     chunk = cfg["TOPK_FUSED"]
     width = -(-N // chunk) * topk
     cand_idx = torch.empty((B, S, width), dtype=torch.int32, device=q.device)
@@ -654,7 +654,7 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     groups whose scores fit ``budget`` bytes (``token_group``; None: ``SCORES_BUDGET_BYTES``,
     read at call time); a given ``scores`` scratch ``[B, S, N]`` means one group."""
     B, S = visible.shape
-    N = _entries(keys)
+    N = entries(keys)
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     if B * S * topk == 0:

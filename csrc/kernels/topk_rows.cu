@@ -1,0 +1,340 @@
+// Top-k of fp32 score rows (the lightning indexer's selection), one CTA per row.
+//
+// Same contract as lowering/triton/indexer.py's topk_row_kernel (STAGE 0) and the reference:
+// row r = (b, s) of scores [B, S, N] (last dim contiguous), entries i < visible[b, s] (clamped
+// to [0, N]) are live; out[b, s, :] gets the min(topk, visible) best in descending score order,
+// ties to the lower index, then -1. Scores compare as the order-preserving uint32 key of
+// _ordered_key (-0.0 == +0.0).
+//
+// Why CUDA: the Triton kernel's radix select spends ~1.9 us a 5-bit pass on the H200 (seven
+// passes: 13 of its 20 us at 64 rows x 8192; benchmarks/topk_diag.py, BENCHMARKS.md session 14),
+// because tl.histogram has no shared-memory atomics. Here a pass is a 256-bin histogram a warp in
+// shared memory (no contention between warps), over only the entries at
+// or above a floor that the k-th best key cannot be under (most of a random row is not).
+//
+// Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
+// [t * ITEMS, (t + 1) * ITEMS)); (2) radix select: the threshold key's bits, 8 at a time,
+// stopping early when the threshold's bin is taken whole; (3) compaction in index order (block
+// prefix sums: the entries above the threshold, then the first k_rem equal to it by index);
+// (4) a bitonic sort of the picks packed as key << 32 | ~index (descending: score, then lower
+// index first), in registers, shuffles and shared memory; (5) the indices out, -1 past the picks.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBins = 256;            // 8-bit digits: four passes fix a 32-bit key
+constexpr int kMaxTopk = 2048;        // picks sorted in shared memory
+
+__device__ __forceinline__ uint32_t ordered_key(float x) {
+  uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix sum of one value a thread, in thread order; the block's total in *total.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int before = (warp ? warp_sums[warp - 1] : 0) + x - v;
+  *total = warp_sums[kWarps - 1];
+  __syncthreads();  // warp_sums may be reused by the next scan
+  return before;
+}
+
+template <int E>
+__device__ __forceinline__ void sort_and_store(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff,
+                                               int topk) {
+  const int tid = threadIdx.x;
+  unsigned long long v[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) v[e] = picks[e * kThreads + tid];
+  constexpr int n = E * kThreads;
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      if (j >= kThreads) {  // partner in this thread's registers
+#pragma unroll
+        for (int m = 1; m < E; m <<= 1) {  // m and e compile-time: v stays in registers
+          if (m != j / kThreads) continue;
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            if ((e ^ m) > e) {
+              const bool descending = ((e * kThreads + tid) & k) == 0;
+              const unsigned long long a = v[e], c = v[e ^ m];
+              if (descending ? a < c : a > c) {
+                v[e] = c;
+                v[e ^ m] = a;
+              }
+            }
+          }
+        }
+        continue;
+      }
+      unsigned long long other[E];
+      if (j >= 32) {  // partner in another warp
+        __syncthreads();  // every thread has read the last exchange
+#pragma unroll
+        for (int e = 0; e < E; ++e) picks[e * kThreads + tid] = v[e];
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < E; ++e) other[e] = picks[(e * kThreads + tid) ^ j];
+      } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) other[e] = __shfl_xor_sync(0xffffffffu, v[e], j);
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int i = e * kThreads + tid;
+        // the lower of the pair keeps the larger in a descending run, the smaller otherwise
+        const bool keep_max = ((i & j) == 0) == ((i & k) == 0);
+        v[e] = keep_max ? max(v[e], other[e]) : min(v[e], other[e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = e * kThreads + tid;
+    if (i < topk) out_row[i * so_k] = i < k_eff ? int(~uint32_t(v[e] & 0xFFFFFFFFull)) : -1;
+  }
+}
+
+template <int ITEMS>
+__global__ void __launch_bounds__(kThreads) topk_rows_kernel(
+    const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
+    const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
+    int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
+    int S, int N, int topk, int kpad, int stop_after) {
+  // the select's histograms (one a warp), then the picks: the same bytes
+  __shared__ __align__(16) unsigned char scratch[kMaxTopk * sizeof(unsigned long long)];
+  static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
+  int* hist = reinterpret_cast<int*>(scratch);
+  unsigned long long* picks = reinterpret_cast<unsigned long long*>(scratch);
+  __shared__ uint32_t warp_min[kWarps];
+  __shared__ int warp_sums[kWarps];
+  __shared__ int s_digit, s_above, s_count;
+
+  const int tid = threadIdx.x;
+  const int64_t b = blockIdx.x / S, s = blockIdx.x % S;
+  const float* row = scores + b * ss_b + s * ss_s;
+  int* out_row = out + b * so_b + s * so_s;
+  const int vis = min(max(visible[b * sv_b + s * sv_s], 0), N);
+  const int k_eff = min(vis, topk);
+
+  // (1) the row: ITEMS consecutive entries a thread; dead entries (>= vis) are never read
+  const int first = tid * ITEMS;
+  uint32_t key[ITEMS];
+  if ((ITEMS % 4) == 0 && first + ITEMS <= vis && (reinterpret_cast<uintptr_t>(row + first) & 15) == 0) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; i += 4) {
+      float4 v = __ldg(reinterpret_cast<const float4*>(row + first + i));
+      key[i] = ordered_key(v.x);
+      key[i + 1] = ordered_key(v.y);
+      key[i + 2] = ordered_key(v.z);
+      key[i + 3] = ordered_key(v.w);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) key[i] = first + i < vis ? ordered_key(__ldg(row + first + i)) : 0u;
+  }
+
+  if (stop_after == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
+    if (tid == 0) out_row[0] = int(key[0]);
+    return;
+  }
+
+  // (2) radix select: prefix = the threshold's known high bits (mask known); k_rem = picks
+  // still needed from the entries whose high bits equal prefix.
+  // Entries below `floor` are never candidates: when k_eff <= the threads holding live entries,
+  // the smallest of those threads' maxima is <= the k-th best key (at least that many entries,
+  // one a thread, are >= it). Dropping them leaves the threshold, and every entry >= it, as they
+  // were, and spares the histograms the bulk of the row (random scores crowd into a few bins).
+  uint32_t floor_key = 0;
+  {
+    uint32_t my_max = 0;
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (first + i < vis) {
+        my_max = max(my_max, key[i]);
+        any = true;
+      }
+    }
+    // min over threads with live entries; their count: via one scan-like reduction
+    uint32_t m = any ? my_max : 0xFFFFFFFFu;
+    int n_live = any ? 1 : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
+      n_live += __shfl_xor_sync(0xffffffffu, n_live, o);
+    }
+    if ((tid & 31) == 0) {
+      warp_min[tid >> 5] = m;
+      warp_sums[tid >> 5] = n_live;
+    }
+    __syncthreads();
+    uint32_t block_min = 0xFFFFFFFFu;
+    int live_threads = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      block_min = min(block_min, warp_min[w]);
+      live_threads += warp_sums[w];
+    }
+    if (k_eff <= live_threads) floor_key = block_min;
+    __syncthreads();  // warp_sums is reused by the scans
+  }
+
+  uint32_t prefix = 0, known = 0;
+  int k_rem = k_eff;
+  bool done = k_eff == 0;
+  int* my_hist = hist + (tid >> 5) * kBins;  // this warp's own histogram: no contention between warps
+#pragma unroll 1
+  for (int pass = 0; pass < 4 && !done; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const bool cand = first + i < vis && key[i] >= floor_key && (key[i] & known) == prefix;
+      if (cand) atomicAdd(&my_hist[(key[i] >> shift) & 0xFFu], 1);
+    }
+    __syncthreads();
+    // the threshold digit d*: count(digit > d*) < k_rem <= count(digit >= d*). Thread t < 256
+    // owns bin 255 - t, so a prefix scan in thread order counts the entries in the bins above.
+    int own = 0;
+    if (tid < kBins) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) own += hist[w * kBins + (kBins - 1 - tid)];
+    }
+    int total;
+    const int above = block_exclusive_scan(own, warp_sums, &total);
+    if (tid < kBins && above < k_rem && above + own >= k_rem) {
+      s_digit = kBins - 1 - tid;
+      s_above = above;
+      s_count = own;
+    }
+    __syncthreads();
+    k_rem -= s_above;
+    prefix |= uint32_t(s_digit) << shift;
+    known |= 0xFFu << shift;
+    done = k_rem == s_count;  // the whole bin is picked: nothing below it needs telling apart
+    __syncthreads();          // s_* are rewritten by the next pass
+  }
+
+  if (stop_after == 2) {  // diagnostics: loaded and selected
+    if (tid == 0) out_row[0] = int(prefix) + k_rem;
+    return;
+  }
+
+  // (3) compaction in index order: every candidate (live, >= floor) whose known bits exceed
+  // prefix, plus the first k_rem whose known bits equal it (all of them when done)
+  int eq_before = 0;
+  if (!done && k_eff > 0) {  // rank the ties by index
+    int n_eq = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) n_eq += first + i < vis && key[i] >= floor_key && (key[i] & known) == prefix;
+    int total;
+    eq_before = block_exclusive_scan(n_eq, warp_sums, &total);
+  }
+  int n_sel = 0;
+  unsigned sel_bits = 0;  // ITEMS <= 64: two words
+  unsigned sel_bits_hi = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const bool live = first + i < vis && key[i] >= floor_key;  // the select's candidates
+    const uint32_t high = key[i] & known;
+    bool sel = live && high > prefix;
+    if (live && high == prefix) {
+      sel = done || eq_before < k_rem;
+      ++eq_before;
+    }
+    if (sel) {
+      ++n_sel;
+      if (i < 32) sel_bits |= 1u << i; else sel_bits_hi |= 1u << (i - 32);
+    }
+  }
+  int n_total;
+  int slot = block_exclusive_scan(n_sel, warp_sums, &n_total);
+  for (int i = tid; i < kpad; i += kThreads) picks[i] = 0ull;  // fillers sort last
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const bool sel = i < 32 ? (sel_bits >> i) & 1u : (sel_bits_hi >> (i - 32)) & 1u;
+    if (sel) picks[slot++] = (static_cast<unsigned long long>(key[i]) << 32) | uint32_t(~uint32_t(first + i));
+  }
+  __syncthreads();
+
+  if (stop_after == 3) {  // diagnostics: loaded, selected, compacted
+    if (tid == 0) out_row[0] = int(picks[0]);
+    return;
+  }
+
+  // (4) + (5): sort the picks and write them out
+  if (kpad <= kThreads) sort_and_store<1>(picks, out_row, so_k, k_eff, topk);
+  else if (kpad <= 2 * kThreads) sort_and_store<2>(picks, out_row, so_k, k_eff, topk);
+  else sort_and_store<4>(picks, out_row, so_k, k_eff, topk);
+}
+
+template <int ITEMS>
+cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
+                   int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
+                   int topk, int kpad, int stop_after, cudaStream_t stream) {
+  topk_rows_kernel<ITEMS><<<B * S, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
+                                                          so_k, S, N, topk, kpad, stop_after);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rows of at most this many scores (64 a thread).
+int dsv4_topk_rows_max_n() { return 64 * kThreads; }
+int dsv4_topk_rows_max_topk() { return kMaxTopk; }
+
+// 0 on success, else a cudaError_t (or -1: arguments outside what the kernel serves).
+// stop_after (diagnostics; 0 = the whole kernel): 1 after the load, 2 after the select, 3 after
+// the compaction -- for timing the stages by difference; out is then wrong.
+int dsv4_topk_rows_diag(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
+                        int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
+                        int topk, void* stream, int stop_after) {
+  if (B <= 0 || S <= 0 || topk <= 0) return 0;
+  if (N < 1 || N > 64 * kThreads || topk > kMaxTopk) return -1;
+  int kpad = kThreads;  // the sort's size: a power of two, at least one pick a thread
+  while (kpad < topk) kpad <<= 1;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int per_thread = (N + kThreads - 1) / kThreads;
+#define DSV4_LAUNCH(I) launch<I>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, kpad, \
+                                 stop_after, st)
+  if (per_thread <= 4) return DSV4_LAUNCH(4);
+  if (per_thread <= 8) return DSV4_LAUNCH(8);
+  if (per_thread <= 16) return DSV4_LAUNCH(16);
+  if (per_thread <= 32) return DSV4_LAUNCH(32);
+  return DSV4_LAUNCH(64);
+#undef DSV4_LAUNCH
+}
+
+int dsv4_topk_rows(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b, int64_t sv_s,
+                   int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N, int topk,
+                   void* stream) {
+  return dsv4_topk_rows_diag(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, stream, 0);
+}
+
+}  // extern "C"

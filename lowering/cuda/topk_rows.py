@@ -1,0 +1,143 @@
+"""The CUDA top-k of score rows (``csrc/kernels/topk_rows.cu``), built on first use.
+
+What ``dsv4::indexer_topk`` runs after its Triton scores kernel on NVIDIA GPUs, through the opaque
+op ``dsv4::topk_rows_cuda`` (``dsv4_ops/ops/topk_cuda.py``): the Triton top-k's radix select costs
+~1.9 us a 5-bit pass (``tl.histogram`` has no shared-memory atomics); the CUDA kernel's passes
+are 2048-bin shared-memory histograms, three of them (BENCHMARKS.md, session 14).
+
+The source is compiled by ``nvcc`` (``$DSV4_OPS_NVCC``, ``$CUDA_HOME/bin/nvcc``, or ``nvcc`` on
+``PATH``) for the GPU's own architecture into a shared library under ``$DSV4_OPS_CACHE``
+(default ``~/.cache/dsv4_ops``), keyed by the source's hash and the architecture, and loaded with
+``ctypes``: no torch headers, a few seconds to build, reused by every later process. Where it
+cannot be built (no nvcc, no source in an installed wheel, ROCm), :func:`library` returns None
+and says why in :func:`unavailable_reason`; the op then keeps the Triton top-k.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "topk_rows.cu"
+_reason: dict[str, str] = {}
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with, or None."""
+    for cand in (os.environ.get("DSV4_OPS_NVCC"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
+                 shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def build_command(compiler: str, arch: str, output: str) -> list[str]:
+    """nvcc's command line for ``arch`` (e.g. ``"90"``): the GPU's own machine code, no torch."""
+    return [compiler, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", output, str(SOURCE)]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSV4_OPS_CACHE", Path.home() / ".cache" / "dsv4_ops"))
+
+
+def build(arch: str) -> Path:
+    """The shared library for ``arch``, compiled unless already in the cache (RuntimeError with
+    nvcc's message if it fails). Concurrent builders each write a temporary file and rename it."""
+    if not SOURCE.is_file():
+        raise RuntimeError(f"no CUDA source at {SOURCE} (an installed package without csrc/)")
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("nvcc not found (set DSV4_OPS_NVCC or CUDA_HOME)")
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    target = cache_dir() / f"topk_rows-sm{arch}-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(build_command(compiler, arch, tmp), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library(index: int = 0) -> ctypes.CDLL | None:
+    """The loaded library for CUDA device ``index``, or None (reason: :func:`unavailable_reason`)."""
+    key = str(index)
+    if torch.version.hip is not None:
+        _reason[key] = "ROCm: the CUDA top-k is for NVIDIA GPUs"
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(index)
+        if major < 7:
+            raise RuntimeError(f"sm_{major}{minor}: needs sm_70 or newer (__match_any_sync)")
+        lib = ctypes.CDLL(str(build(f"{major}{minor}")))
+    except (RuntimeError, OSError) as e:
+        _reason[key] = str(e)
+        return None
+    args = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+            + [ctypes.c_int] * 4 + [ctypes.c_void_p])
+    lib.dsv4_topk_rows.restype = lib.dsv4_topk_rows_diag.restype = ctypes.c_int
+    lib.dsv4_topk_rows.argtypes = args
+    lib.dsv4_topk_rows_diag.argtypes = args + [ctypes.c_int]
+    return lib
+
+
+def unavailable_reason(index: int = 0) -> str | None:
+    library(index)
+    return _reason.get(str(index))
+
+
+def max_entries(index: int = 0) -> int:
+    lib = library(index)
+    return lib.dsv4_topk_rows_max_n() if lib is not None else 0
+
+
+def max_topk(index: int = 0) -> int:
+    lib = library(index)
+    return lib.dsv4_topk_rows_max_topk() if lib is not None else 0
+
+
+def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor | None = None, *,
+              stop_after: int = 0) -> torch.Tensor:
+    """``[B, S, topk] int32``: per row of ``scores [B, S, N]`` (fp32, last dim contiguous) the
+    ``min(topk, visible)`` best of its first ``visible [B, S]`` entries (clamped to ``[0, N]``),
+    by score descending then index ascending, then -1. Launched on the current stream.
+    ``stop_after`` (diagnostics, ``benchmarks/topk_diag.py``): 1, 2, 3 end the kernel after its
+    load, select, compaction (``out`` is then wrong)."""
+    B, S, N = scores.shape
+    index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
+    lib = library(index)
+    if lib is None:
+        raise RuntimeError(f"topk_rows: the CUDA top-k is unavailable: {unavailable_reason(index)}")
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError("topk_rows: scores must be fp32 with a contiguous last dim")
+    if visible.dtype != torch.int32 or visible.shape != (B, S):
+        raise ValueError(f"topk_rows: visible must be int32 [B, S] = [{B}, {S}]")
+    if not 1 <= N <= lib.dsv4_topk_rows_max_n() or not 1 <= topk <= lib.dsv4_topk_rows_max_topk():
+        raise ValueError(f"topk_rows: N (got {N}) must be in [1, {lib.dsv4_topk_rows_max_n()}] and topk (got "
+                         f"{topk}) in [1, {lib.dsv4_topk_rows_max_topk()}]")
+    if out is None:
+        out = torch.empty((B, S, topk), dtype=torch.int32, device=scores.device)
+    err = lib.dsv4_topk_rows_diag(scores.data_ptr(), scores.stride(0), scores.stride(1),
+                                  visible.data_ptr(), visible.stride(0), visible.stride(1),
+                                  out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+                                  B, S, N, topk, torch.cuda.current_stream(scores.device).cuda_stream, int(stop_after))
+    if err != 0:
+        raise RuntimeError(f"topk_rows: launch failed (cudaError {err})")
+    return out

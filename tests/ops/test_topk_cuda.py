@@ -1,0 +1,145 @@
+"""On an NVIDIA GPU, the indexer's top-k is the CUDA kernel (``csrc/kernels/topk_rows.cu``,
+``dsv4::topk_rows_cuda``, routed to by ``dsv4::indexer_topk``): its picks equal the stable sort's
+(descending score, ties to the lower index, -1 past ``min(topk, visible)``) on rows with heavy
+ties, signed zeros, -inf scores, every register-row size it is built for and unaligned rows; it is
+what eager calls, compiled graphs and CUDA-graph replays run, equal to the Triton top-k that
+``topk_cuda.disabled()`` (what ``dsv4_ops.export`` traces under) gives back."""
+import pytest
+import torch
+
+import dsv4_ops
+from dsv4_ops.ops import topk_cuda
+from lowering.cuda import topk_rows as lib
+from lowering.triton import indexer as ix
+
+NVIDIA = torch.cuda.is_available() and torch.version.hip is None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not NVIDIA, reason="the CUDA top-k serves NVIDIA GPUs only")]
+I32 = torch.int32
+
+
+def stable_topk(scores, visible, topk):
+    """The contract, by a stable sort: entries >= visible never picked."""
+    B, S, N = scores.shape
+    vis = visible.clamp(0, N).long()
+    # + 0.0 turns -0.0 into +0.0: the contract compares them equal (a radix sort would not)
+    masked = torch.where(torch.arange(N, device=scores.device) < vis[..., None], scores + 0.0,
+                         torch.full_like(scores, float("-inf")))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :topk]
+    rank = torch.arange(order.shape[-1], device=scores.device)
+    picked = torch.where(rank < vis[..., None], order, -1)
+    if picked.shape[-1] < topk:
+        picked = torch.cat([picked, picked.new_full((B, S, topk - picked.shape[-1]), -1)], -1)
+    return picked.to(I32)
+
+
+def rows(B, S, N, kind, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, S, N, generator=g, device="cuda")
+    if kind == "ties":  # few distinct values: the k-th score is shared by many entries
+        x = torch.randint(-3, 4, (B, S, N), generator=g, device="cuda").float()
+    elif kind == "zeros":  # relu-like: most scores exactly +0.0 or -0.0
+        x = torch.where(x > 1.0, x, torch.zeros_like(x))
+        x[..., ::3] = -0.0
+    elif kind == "inf":
+        x[..., ::5] = float("-inf")
+        x[..., 7::11] = float("inf")
+    return x
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if lib.library() is None:
+        pytest.fail(f"the CUDA top-k did not build: {lib.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf"])
+@pytest.mark.parametrize("N", [1, 100, 2048, 2049, 4096, 8192, 8258, 16384, 16387, 32768])
+def test_picks_equal_the_stable_sort(N, kind):
+    B, S, topk = 3, 2, 512
+    x = rows(B, S, N, kind, seed=N)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    visible = torch.randint(0, N + 1, (B, S), generator=g, device="cuda", dtype=I32)
+    visible[0, 0], visible[0, 1], visible[1, 0] = N, 0, min(N, 511)  # whole row, none, fewer than topk
+    got = lib.topk_rows(x, visible, topk)
+    torch.testing.assert_close(got, stable_topk(x, visible, topk), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 100, 512, 1024, 2048])
+def test_every_width(topk):
+    x = rows(2, 3, 8192, "ties", seed=topk)
+    visible = torch.tensor([[8192, 3000, 1], [topk, topk - 1 if topk > 1 else 0, 8192]], device="cuda", dtype=I32)
+    torch.testing.assert_close(lib.topk_rows(x, visible, topk), stable_topk(x, visible, topk), rtol=0, atol=0)
+
+
+def test_strided_views_and_out_of_range_visible():
+    """A row-sliced view (offset base: the scalar load path) and visible outside [0, N] (clamped)."""
+    base = rows(2, 4, 4099, "randn", seed=5)
+    x = base[:, 1:, 3:]  # [2, 3, 4096], rows not 16-byte aligned
+    visible = torch.tensor([[-5, 4096, 9999], [17, 2000, 4096]], device="cuda", dtype=I32)
+    out = torch.full((2, 3, 600), 123, device="cuda", dtype=I32)[..., :512]
+    got = lib.topk_rows(x, visible, 512, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, stable_topk(x, visible, 512), rtol=0, atol=0)
+
+
+def test_bad_arguments_name_the_limit():
+    x = torch.randn(1, 1, lib.max_entries() + 1, device="cuda")
+    with pytest.raises(ValueError, match="N .got 32769. must be in"):
+        lib.topk_rows(x, torch.ones(1, 1, device="cuda", dtype=I32), 8)
+    with pytest.raises(ValueError, match="scores must be fp32"):
+        lib.topk_rows(x[..., :8].half(), torch.ones(1, 1, device="cuda", dtype=I32), 8)
+
+
+def indexer_inputs(B, N, seed=0, DI=128, HI=64):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, 1, HI, DI, generator=g, device="cuda").bfloat16()
+    w = torch.randn(B, 1, HI, generator=g, device="cuda")
+    keys = torch.randn(B, N, DI, generator=g, device="cuda").bfloat16()
+    visible = torch.randint(N // 2, N + 1, (B, 1), generator=g, device="cuda", dtype=I32)
+    return q, w, keys, visible
+
+
+def test_indexer_topk_routes_here_and_equals_the_triton_topk():
+    q, w, keys, visible = indexer_inputs(4, 8258)
+    before = topk_cuda.stats["launches"]
+    got = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
+    assert topk_cuda.stats["launches"] == before + 1
+    with topk_cuda.disabled():
+        want = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
+    assert topk_cuda.stats["launches"] == before + 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    scores = ix.indexer_scores(q, w, keys, visible)
+    torch.testing.assert_close(got, stable_topk(scores, visible, 512), rtol=0, atol=0)
+
+
+def test_compiled_and_graphed_equal_eager():
+    q, w, keys, visible = indexer_inputs(2, 4100, seed=3)
+    eager = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: torch.ops.dsv4.indexer_topk(*a, 512), fullgraph=True)
+    torch.testing.assert_close(fn(q, w, keys, visible), eager, rtol=0, atol=0)
+    static = [t.clone() for t in (q, w, keys, visible)]
+    fn(*static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static)
+    q2, w2, keys2, visible2 = indexer_inputs(2, 4100, seed=4)
+    for dst, src in zip(static, (q2, w2, keys2, visible2)):
+        dst.copy_(src)
+    before = topk_cuda.stats["launches"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert topk_cuda.stats["launches"] == before  # replayed, no Python
+    torch.testing.assert_close(out, dsv4_ops.indexer_topk(q2, w2, keys2, visible2, 512), rtol=0, atol=0)
+
+
+def test_longer_rows_and_fp8_keys_keep_working():
+    """Rows past the CUDA kernel's 32768 scores keep the Triton top-k (not routed)."""
+    assert not topk_cuda.applies((1, 1, 32769), torch.device("cuda"), 512)
+    assert topk_cuda.applies((1, 1, 32768), torch.device("cuda"), 512)
+    q, w, keys, visible = indexer_inputs(1, 32800, seed=6)
+    before = topk_cuda.stats["launches"]
+    got = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
+    assert topk_cuda.stats["launches"] == before
+    torch.testing.assert_close(got, stable_topk(ix.indexer_scores(q, w, keys, visible), visible, 512),
+                               rtol=0, atol=0)

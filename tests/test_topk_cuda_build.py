@@ -1,0 +1,64 @@
+"""The CUDA top-k (``csrc/kernels/topk_rows.cu``) without a GPU: nvcc builds it for sm_90 with no
+register spills in any of its row sizes, the build is cached by the source's hash, the library
+loads and reports its limits, and the route (``dsv4_ops/ops/topk_cuda.py``) never takes CPU
+tensors, turns off under ``disabled()`` and says why when nvcc is missing. Skipped (with the
+reason) where this machine has no nvcc; the kernel's results are checked on the GPU
+(``tests/ops/test_topk_cuda.py``)."""
+import ctypes
+import re
+import subprocess
+
+import pytest
+import torch
+
+from dsv4_ops.ops import topk_cuda
+from lowering.cuda import topk_rows as lib
+
+needs_nvcc = pytest.mark.skipif(lib.nvcc() is None, reason="no nvcc on this machine")
+
+
+@needs_nvcc
+def test_compiles_for_sm90_within_its_registers(tmp_path):
+    """One kernel per register-row size (4 .. 64 scores a thread, 512 threads: at most 128
+    registers). None spills up to 32 a thread (rows of 16384 scores, 64K context); the 64-a-thread
+    kernel (rows up to 32768) spills a little (48 B stored, 80 B loaded with nvcc 13.0), which
+    the H200 timings include (BENCHMARKS.md, session 14)."""
+    cmd = lib.build_command(lib.nvcc(), "90", str(tmp_path / "k.so")) + ["-Xptxas", "-v"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    reports = re.findall(r"topk_rows_kernelILi(\d+)E.*?(\d+) bytes spill stores, (\d+) bytes spill loads.*?"
+                         r"Used (\d+) registers", done.stderr, flags=re.S)
+    by_items = {int(items): (int(st), int(ld), int(regs)) for items, st, ld, regs in reports}
+    assert sorted(by_items) == [4, 8, 16, 32, 64], done.stderr
+    for items, (stores, loads, regs) in by_items.items():
+        assert 0 < regs <= 128, (items, regs)
+        if items <= 32:
+            assert stores == loads == 0, (items, stores, loads)
+        else:
+            assert stores <= 128 and loads <= 128, (items, stores, loads)
+
+
+@needs_nvcc
+def test_build_is_cached_by_source_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_OPS_CACHE", str(tmp_path))
+    path = lib.build("90")
+    assert path.parent == tmp_path and path.name.startswith("topk_rows-sm90-")
+    stamp = path.stat().st_mtime_ns
+    assert lib.build("90") == path and path.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    so = ctypes.CDLL(str(path))  # static cudart: loads without a GPU
+    assert so.dsv4_topk_rows_max_n() == 32768 and so.dsv4_topk_rows_max_topk() == 2048
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(lib, "nvcc", lambda: None)
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        lib.build("90")
+
+
+def test_route_never_takes_cpu_tensors_and_turns_off_for_export():
+    assert not topk_cuda.applies((1, 1, 8192), torch.device("cpu"), 512)
+    saved = topk_cuda._enabled
+    with topk_cuda.disabled():
+        assert topk_cuda._enabled is False
+    assert topk_cuda._enabled is saved
