@@ -168,7 +168,7 @@ for what in "$@"; do
     sweep-topk-rows) # the top-k pass at 16, 64, 128 rows over 8192 scores (32K context): row kernel vs split
            python3 benchmarks/sweep_kernels.py --only topk --batches 16 64 128 --out "$OUT/sweep_topk_rows.json" 2>&1 \
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
-    topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_cuda.py 2>&1 | tail -5 \
+    topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_rows_cuda.py 2>&1 | tail -5 \
            && python3 benchmarks/topk_diag.py --rows 1 64 128 --n 8192 32768; } 2>&1 | tee "$OUT/topk_cuda.log" || rc=1 ;;
     gather-bw) python3 benchmarks/gather_bandwidth.py 2>&1 | tee "$OUT/gather_bandwidth.log" || rc=1 ;;
     gluon-check) python3 benchmarks/gluon_attention_check.py --sweep 2>&1 | tee "$OUT/gluon_check.log" \

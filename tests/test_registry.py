@@ -39,7 +39,7 @@ def test_every_op_has_the_test_template():
 class TestSchemas(expecttest.TestCase):
     def test_every_schema_is_pinned(self):
         pinned = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv",
-                  "sparse_attention_sm90"}
+                  "sparse_attention_sm90", "topk_rows_cuda"}
         self.assertEqual(set(dsv4_op_names()), pinned, "pin the schema of every new op below")
 
     def test_schemas(self):
@@ -53,3 +53,4 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(str(ops.sinkhorn.default._schema), """dsv4::sinkhorn(Tensor comb, SymInt iters, float eps) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention_sm90.default._schema), """dsv4::sparse_attention_sm90(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
+        self.assertExpectedInline(str(ops.topk_rows_cuda.default._schema), """dsv4::topk_rows_cuda(Tensor scores, Tensor visible, SymInt topk) -> Tensor""")

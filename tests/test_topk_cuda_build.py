@@ -3,7 +3,7 @@ register spills in any of its row sizes, the build is cached by the source's has
 loads and reports its limits, and the route (``dsv4_ops/ops/topk_cuda.py``) never takes CPU
 tensors, turns off under ``disabled()`` and says why when nvcc is missing. Skipped (with the
 reason) where this machine has no nvcc; the kernel's results are checked on the GPU
-(``tests/ops/test_topk_cuda.py``)."""
+(``tests/ops/test_topk_rows_cuda.py``)."""
 import ctypes
 import re
 import subprocess

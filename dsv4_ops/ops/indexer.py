@@ -28,19 +28,21 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     if use_triton(q):
         B, S = visible.shape
         N = ix.entries(keys)
-        if ix.token_group(B, S, N) == S and topk_cuda.applies((B, S, N), q.device, topk):
-            # the CUDA top-k (topk_cuda.py) after the Triton scores, all tokens in one group
+        # the CUDA top-k (topk_cuda.py) after the Triton scores, when every token is one group
+        cuda_topk = ix.token_group(B, S, N) == S and topk_cuda.applies((B, S, N), q.device, topk)
+        if cuda_topk:
             scores, scoring = ix.scores_launch(q, weights, keys, visible)
-            wrap_triton(indexer_scores_kernel)[scoring.grid](*scoring.args, **scoring.meta)
-            return torch.ops.dsv4.topk_rows_cuda(scores, visible, topk)
-        launches = ix.indexer_launches(q, weights, keys, visible, topk)
-        for scores, rows, loop in launches.groups:  # one group per step, unless the scores would not fit
-            wrap_triton(indexer_scores_kernel)[scores.grid](*scores.args, **scores.meta)
+            groups = ((scoring, (), None),)
+        else:
+            launches = ix.indexer_launches(q, weights, keys, visible, topk)
+            groups = launches.groups
+        for scores_spec, rows, loop in groups:  # one group per step, unless the scores would not fit
+            wrap_triton(indexer_scores_kernel)[scores_spec.grid](*scores_spec.args, **scores_spec.meta)
             for row in rows:  # one launch, or the split top-k's two stages
                 wrap_triton(topk_row_kernel)[row.grid](*row.args, **row.meta)
             if loop is not None:
                 wrap_triton(topk_kernel)[loop.grid](*loop.args, **loop.meta)
-        return launches.out
+        return torch.ops.dsv4.topk_rows_cuda(scores, visible, topk) if cuda_topk else launches.out
     return ref.indexer_topk(q, weights, keys, visible, topk).contiguous()
 
 

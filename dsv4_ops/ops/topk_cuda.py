@@ -38,8 +38,8 @@ def _limits(index: int) -> tuple[int, int]:
 
 def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
     """Static: a function of the device and the scores' shape ``[B, S, N]``, never of values."""
-    if not (_enabled and device.type == "cuda" and torch.version.hip is None):
-        return False
+    if not (_enabled and device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()):
+        return False  # (fake CUDA tensors on a machine without a GPU: the Triton path, as everywhere)
     B, S, N = scores_shape
     max_n, max_k = _limits(device.index if device.index is not None else torch.cuda.current_device())
     return B * S > 0 and 1 <= N <= max_n and 1 <= topk <= max_k

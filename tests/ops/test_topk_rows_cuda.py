@@ -4,8 +4,11 @@
 ties, signed zeros, -inf scores, every register-row size it is built for and unaligned rows; it is
 what eager calls, compiled graphs and CUDA-graph replays run, equal to the Triton top-k that
 ``topk_cuda.disabled()`` (what ``dsv4_ops.export`` traces under) gives back."""
+import re
+
 import pytest
 import torch
+from torch.library import opcheck
 
 import dsv4_ops
 from dsv4_ops.ops import topk_cuda
@@ -52,9 +55,22 @@ def built():
         pytest.fail(f"the CUDA top-k did not build: {lib.unavailable_reason()}")
 
 
+def test_topk_rows_cuda_opcheck():
+    x = rows(2, 3, 3000, "ties", seed=9)
+    opcheck(torch.ops.dsv4.topk_rows_cuda, (x, torch.tensor([[3000, 10, 0], [512, 2999, 7]], device="cuda",
+                                                            dtype=I32), 512))
+
+
+def test_topk_rows_cuda_fake_matches_real(fake_check):
+    fake_check(torch.ops.dsv4.topk_rows_cuda, rows(2, 1, 8192, "randn"),
+               torch.full((2, 1), 8192, device="cuda", dtype=I32), 512)
+
+
 @pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf"])
 @pytest.mark.parametrize("N", [1, 100, 2048, 2049, 4096, 8192, 8258, 16384, 16387, 32768])
-def test_picks_equal_the_stable_sort(N, kind):
+def test_topk_rows_cuda_matches_reference(N, kind):
+    """Every register-row size (4 .. 64 scores a thread, and the sizes just past each), random
+    visible lengths (all, none, fewer than topk)."""
     B, S, topk = 3, 2, 512
     x = rows(B, S, N, kind, seed=N)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -65,13 +81,14 @@ def test_picks_equal_the_stable_sort(N, kind):
 
 
 @pytest.mark.parametrize("topk", [1, 2, 100, 512, 1024, 2048])
-def test_every_width(topk):
+def test_topk_rows_cuda_edge_cases(topk):
+    """Every output width the sort serves (one pick a thread up to four), ties throughout."""
     x = rows(2, 3, 8192, "ties", seed=topk)
     visible = torch.tensor([[8192, 3000, 1], [topk, topk - 1 if topk > 1 else 0, 8192]], device="cuda", dtype=I32)
     torch.testing.assert_close(lib.topk_rows(x, visible, topk), stable_topk(x, visible, topk), rtol=0, atol=0)
 
 
-def test_strided_views_and_out_of_range_visible():
+def test_topk_rows_cuda_edge_case_strided_views_and_out_of_range_visible():
     """A row-sliced view (offset base: the scalar load path) and visible outside [0, N] (clamped)."""
     base = rows(2, 4, 4099, "randn", seed=5)
     x = base[:, 1:, 3:]  # [2, 3, 4096], rows not 16-byte aligned
@@ -82,12 +99,20 @@ def test_strided_views_and_out_of_range_visible():
     torch.testing.assert_close(got, stable_topk(x, visible, 512), rtol=0, atol=0)
 
 
-def test_bad_arguments_name_the_limit():
-    x = torch.randn(1, 1, lib.max_entries() + 1, device="cuda")
-    with pytest.raises(ValueError, match="N .got 32769. must be in"):
-        lib.topk_rows(x, torch.ones(1, 1, device="cuda", dtype=I32), 8)
-    with pytest.raises(ValueError, match="scores must be fp32"):
-        lib.topk_rows(x[..., :8].half(), torch.ones(1, 1, device="cuda", dtype=I32), 8)
+@pytest.mark.parametrize("change, message", [
+    (lambda x, v, k: (torch.randn(1, 1, 32769, device="cuda"), v[:1, :1], k), "N (got 32769) must be in [1, 32768]"),
+    (lambda x, v, k: (x, v, 2049), "topk (got 2049) in [1, 2048]"),
+    (lambda x, v, k: (x.half(), v, k), "scores must be fp32"),
+    (lambda x, v, k: (x, v.long(), k), "visible must be int32 [B, S]"),
+    (lambda x, v, k: (x.transpose(1, 2), v, k), "contiguous last dim"),
+])
+def test_topk_rows_cuda_rejects_bad_input(change, message):
+    """Outside what the kernel serves: a ValueError naming the argument and the limit, never a
+    launch (the public op never routes such inputs here)."""
+    x = rows(2, 3, 64, "randn")
+    v = torch.full((2, 3), 64, device="cuda", dtype=I32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        torch.ops.dsv4.topk_rows_cuda(*change(x, v, 8))
 
 
 def indexer_inputs(B, N, seed=0, DI=128, HI=64):
