@@ -21,12 +21,14 @@ the route is taken): use a fresh ``TORCHINDUCTOR_CACHE_DIR`` when comparing the 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
+import sys
 
 import torch
 from torch import Tensor
+
+from ._backend import route_off
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -75,18 +77,9 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
             and kv.shape[1] + cmp.shape[1] > 0)
 
 
-@contextlib.contextmanager
 def disabled():
-    """Trace with the Triton kernel only (AOTInductor packages). The AOTAutograd cache is off
-    meanwhile: its key holds the traced graph before the route is taken."""
-    global _enabled
-    saved = _enabled
-    _enabled = False
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            yield
-    finally:
-        _enabled = saved
+    """Trace with the Triton kernel only (AOTInductor packages): ``_backend.route_off``."""
+    return route_off(sys.modules[__name__])
 
 
 @torch.library.custom_op("dsv4::sparse_attention_sm90", mutates_args=(), device_types="cuda")

@@ -15,12 +15,14 @@ turns the route off.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
+import sys
 
 import torch
 from torch import Tensor
+
+from ._backend import route_off
 
 ENV = "DSV4_OPS_CUDA_TOPK"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -45,18 +47,9 @@ def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
     return B * S > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
 
 
-@contextlib.contextmanager
 def disabled():
-    """Trace with the Triton top-k only (AOTInductor packages). The AOTAutograd cache is off
-    meanwhile: its key holds the traced graph before the route is taken."""
-    global _enabled
-    saved = _enabled
-    _enabled = False
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            yield
-    finally:
-        _enabled = saved
+    """Trace with the Triton top-k only (AOTInductor packages): ``_backend.route_off``."""
+    return route_off(sys.modules[__name__])
 
 
 @torch.library.custom_op("dsv4::topk_rows_cuda", mutates_args=(), device_types="cuda")
