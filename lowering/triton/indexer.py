@@ -493,6 +493,9 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     1024, or 2048 for rows of 16K scores or more), 4 warps (:func:`fused_warps`; an override of
     8 gave other indices on the H200 and is for sweeps only, which check every config's output).
     ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
+    On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
+    scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
+    kernel (H200, session 14: 11.5 us for 64 rows of 8192 scores, where these took 20-23).
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
