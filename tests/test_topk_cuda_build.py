@@ -62,3 +62,24 @@ def test_route_never_takes_cpu_tensors_and_turns_off_for_export():
     with topk_cuda.disabled():
         assert topk_cuda._enabled is False
     assert topk_cuda._enabled is saved
+
+
+@pytest.mark.parametrize("rows, N, topk, want", [
+    (1, 8258, 512, True),      # the Flash slice's 32K pool at batch 1: CUDA (10.3 against the split's 19.2 us)
+    (64, 8192, 512, True),     # 11.5 against 20.0 us
+    (128, 32768, 512, True),   # 27.7 against 120.1 us (no split at 128 rows)
+    (64, 32768, 512, True),    # many long rows: CUDA (the whole op 161.8 against 187.6 us)
+    (1, 32768, 512, False),    # one long row: the split spreads it (28.8 against 31.6 us)
+    (16, 32768, 512, False),   # 128 segments of 4096: one wave, the split's regime
+    (17, 32768, 512, True),    # 136 segments: more than a wave
+    (1, 16384, 512, True),     # up to 32 scores a thread: CUDA
+    (1, 32769, 512, False),    # past the kernel's row
+    (1, 100, 2049, False),     # past its sort
+    (0, 100, 512, False),
+])
+def test_which_rows_take_the_cuda_topk(rows, N, topk, want):
+    assert topk_cuda.serves(rows, N, topk, max_n=32768, max_k=2048, sms=132) is want
+
+
+def test_a_library_that_did_not_build_serves_nothing():
+    assert not topk_cuda.serves(64, 8192, 512, max_n=0, max_k=0, sms=132)

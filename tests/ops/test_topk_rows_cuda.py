@@ -158,13 +158,16 @@ def test_compiled_and_graphed_equal_eager():
     torch.testing.assert_close(out, dsv4_ops.indexer_topk(q2, w2, keys2, visible2, 512), rtol=0, atol=0)
 
 
-def test_longer_rows_and_fp8_keys_keep_working():
-    """Rows past the CUDA kernel's 32768 scores keep the Triton top-k (not routed)."""
+def test_rows_it_does_not_serve_keep_the_triton_topk():
+    """Rows past the CUDA kernel's 32768 scores, and one row of 32768 (the split top-k measured
+    faster there: ``topk_cuda.serves``), keep the Triton top-k; 64 such rows take the CUDA one."""
     assert not topk_cuda.applies((1, 1, 32769), torch.device("cuda"), 512)
-    assert topk_cuda.applies((1, 1, 32768), torch.device("cuda"), 512)
-    q, w, keys, visible = indexer_inputs(1, 32800, seed=6)
-    before = topk_cuda.stats["launches"]
-    got = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
-    assert topk_cuda.stats["launches"] == before
-    torch.testing.assert_close(got, stable_topk(ix.indexer_scores(q, w, keys, visible), visible, 512),
-                               rtol=0, atol=0)
+    assert not topk_cuda.applies((1, 1, 32768), torch.device("cuda"), 512)
+    assert topk_cuda.applies((64, 1, 32768), torch.device("cuda"), 512)
+    for N in (32800, 20000):
+        q, w, keys, visible = indexer_inputs(1, N, seed=6)
+        before = topk_cuda.stats["launches"]
+        got = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
+        assert topk_cuda.stats["launches"] == before
+        torch.testing.assert_close(got, stable_topk(ix.indexer_scores(q, w, keys, visible), visible, 512),
+                                   rtol=0, atol=0)
