@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
-from lowering.gluon.sparse_attention import DIAG_VARIANTS, sparse_attention_gluon  # noqa: E402
+from lowering.gluon.sparse_attention import VARIANTS, sparse_attention_gluon  # noqa: E402
 from lowering.triton.sparse_attention import sparse_attention as sparse_attention_tl  # noqa: E402
 
 H, D, W, RING, K, NC = 64, 512, 128, 256, 512, 8192
@@ -238,7 +238,7 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true",
                     help="only time the v0 default against each of its DIAG switches (results wrong, unchecked)")
     ap.add_argument("--diag-batches", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--diag-variants", nargs="+", default=list(DIAG_VARIANTS), choices=list(DIAG_VARIANTS))
+    ap.add_argument("--diag-variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")

@@ -320,40 +320,30 @@ DIAG = {
     "no_index": ("DIAG_NO_INDEX", False),
     "max_blocks": ("DIAG_MAX_BLOCKS", -1),
 }
-DIAG_VARIANTS = ("v0", "v3")
-
-# variant -> (kernel, num_warps of the launch); module docstring: what each one changes
-VARIANTS = {
-    "v0": (sparse_attention_gluon_kernel, NUM_WARPS),
-    "v3": (sparse_attention_gluon_kernel, NUM_WARPS),
-}
-# constexprs a variant adds to its kernel's launch
-VARIANT_META = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
-# ring depth a variant needs
-MIN_STAGES = {"v0": 2, "v3": 2}
-# (BLOCK_N, NUM_STAGES) a variant launches with unless told: its best (or intended) config
-DEFAULT_BLOCKS = {"v0": (64, 2), "v3": (64, 2)}
+# variant -> the constexprs it launches the kernel with (module docstring: what each one changes).
+# Both run NUM_WARPS warps at DEFAULT_BLOCKS unless told, take the DIAG switches and need 2 stages.
+VARIANTS = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
+# (BLOCK_N, NUM_STAGES) unless told: the H200 sweeps' best for both (sessions 12-13)
+DEFAULT_BLOCKS = (64, 2)
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
                  block_n: int | None = None, num_stages: int | None = None, variant: str = "v3") -> dict:
-    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the
-    kernel and warp count of ``variant`` (VARIANTS).
+    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the kernel
+    and its warps (one kernel: ``variant``, a key of ``VARIANTS``, only picks its constexprs).
 
-    v0 at 64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config
+    64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config
     of the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at 32 x 4;
     a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
     if variant not in VARIANTS:
         raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-    block_n = DEFAULT_BLOCKS[variant][0] if block_n is None else block_n
-    num_stages = DEFAULT_BLOCKS[variant][1] if num_stages is None else num_stages
-    if num_stages < MIN_STAGES[variant]:
-        raise ValueError(f"sparse_attention_gluon: variant {variant} needs num_stages >= {MIN_STAGES[variant]}, "
-                         f"got {num_stages}")
+    block_n = DEFAULT_BLOCKS[0] if block_n is None else block_n
+    num_stages = DEFAULT_BLOCKS[1] if num_stages is None else num_stages
+    if num_stages < 2:
+        raise ValueError(f"sparse_attention_gluon: num_stages must be >= 2 (a slot computed, one filled), got {num_stages}")
     cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
-    kernel, num_warps = VARIANTS[variant]
-    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"], kernel=kernel,
-                num_warps=num_warps)
+    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"],
+                kernel=sparse_attention_gluon_kernel, num_warps=NUM_WARPS)
 
 
 def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
@@ -383,17 +373,12 @@ def _lastdim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _diag_meta(variant: str, diag: dict | None) -> dict:
-    """The DIAG_* constexprs of ``diag`` (keys of ``DIAG``): every one of them for the variants
-    that take them (off unless given), none for the others."""
+def _diag_meta(diag: dict | None) -> dict:
+    """The DIAG_* constexprs of ``diag`` (keys of ``DIAG``), every one of them (off unless given)."""
     diag = dict(diag or {})
     unknown = sorted(set(diag) - set(DIAG))
     if unknown:
         raise ValueError(f"sparse_attention_gluon: unknown diag switches {unknown}; known: {sorted(DIAG)}")
-    if variant not in DIAG_VARIANTS:
-        if any(v not in (False, None, -1) for v in diag.values()):
-            raise ValueError(f"sparse_attention_gluon: diag switches exist for {DIAG_VARIANTS} only, not {variant!r}")
-        return {}
     meta = {name: default for name, default in DIAG.values()}
     for key, value in diag.items():
         name, default = DIAG[key]
@@ -407,7 +392,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
     switches (``DIAG``; v0 and v3), e.g. ``dict(no_gather=True)``: the result is then wrong."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
-    diag_meta = _diag_meta(variant, diag)
+    diag_meta = _diag_meta(diag)
     B, _, H, D = q.shape
     q, kv, cmp = (_lastdim_contiguous(t) for t in (q, kv, cmp))
     sink = sink.contiguous()
@@ -445,7 +430,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
-                **diag_meta, **VARIANT_META.get(variant, {}), num_warps=cfg["num_warps"])
+                **diag_meta, **VARIANTS[variant], num_warps=cfg["num_warps"])
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
