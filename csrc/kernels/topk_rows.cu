@@ -9,8 +9,8 @@
 // Why CUDA: the Triton kernel's radix select spends ~1.9 us a 5-bit pass on the H200 (seven
 // passes: 13 of its 20 us at 64 rows x 8192; benchmarks/topk_diag.py, BENCHMARKS.md session 14),
 // because tl.histogram has no shared-memory atomics. Here a pass is a 256-bin histogram a warp in
-// shared memory (no contention between warps), over only the entries at
-// or above a floor that the k-th best key cannot be under (most of a random row is not).
+// shared memory (no contention between warps), over only the entries at or above a floor that the
+// k-th best key cannot be under (most of a random row is below it).
 //
 // Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
 // [t * ITEMS, (t + 1) * ITEMS)); (2) radix select: the threshold key's bits, 8 at a time,

@@ -134,10 +134,18 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
                          f"{topk}) in [1, {lib.dsv4_topk_rows_max_topk()}]")
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=scores.device)
-    err = lib.dsv4_topk_rows_diag(scores.data_ptr(), scores.stride(0), scores.stride(1),
-                                  visible.data_ptr(), visible.stride(0), visible.stride(1),
-                                  out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
-                                  B, S, N, topk, torch.cuda.current_stream(scores.device).cuda_stream, int(stop_after))
+    elif out.dtype != torch.int32 or out.shape != (B, S, topk):
+        raise ValueError(f"topk_rows: out must be int32 [B, S, topk] = [{B}, {S}, {topk}], got {out.dtype} "
+                         f"{list(out.shape)}")
+    if visible.device != scores.device or out.device != scores.device:
+        raise ValueError(f"topk_rows: scores, visible and out must be on one device, got {scores.device}, "
+                         f"{visible.device}, {out.device}")
+    with torch.cuda.device(scores.device):  # the runtime launches on the current device
+        err = lib.dsv4_topk_rows_diag(scores.data_ptr(), scores.stride(0), scores.stride(1),
+                                      visible.data_ptr(), visible.stride(0), visible.stride(1),
+                                      out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+                                      B, S, N, topk, torch.cuda.current_stream(scores.device).cuda_stream,
+                                      int(stop_after))
     if err != 0:
         raise RuntimeError(f"topk_rows: launch failed (cudaError {err})")
     return out
