@@ -2,8 +2,9 @@
 
 What ``dsv4::indexer_topk`` runs after its Triton scores kernel on NVIDIA GPUs, through the opaque
 op ``dsv4::topk_rows_cuda`` (``dsv4_ops/ops/topk_cuda.py``): the Triton top-k's radix select costs
-~1.9 us a 5-bit pass (``tl.histogram`` has no shared-memory atomics); the CUDA kernel's passes
-are 2048-bin shared-memory histograms, three of them (BENCHMARKS.md, session 14).
+~1.9 us a 5-bit pass (``tl.histogram`` has no shared-memory atomics); the CUDA kernel's four 8-bit
+passes count into per-warp shared-memory histograms, over the entries above a floor the k-th best
+cannot be under (BENCHMARKS.md, session 14).
 
 The source is compiled by ``nvcc`` (``$DSV4_OPS_NVCC``, ``$CUDA_HOME/bin/nvcc``, or ``nvcc`` on
 ``PATH``) for the GPU's own architecture into a shared library under ``$DSV4_OPS_CACHE``
@@ -85,7 +86,7 @@ def library(index: int = 0) -> ctypes.CDLL | None:
     try:
         major, minor = torch.cuda.get_device_capability(index)
         if major < 7:
-            raise RuntimeError(f"sm_{major}{minor}: needs sm_70 or newer (__match_any_sync)")
+            raise RuntimeError(f"sm_{major}{minor}: the CUDA top-k is built for sm_70 or newer (run on sm_90)")
         lib = ctypes.CDLL(str(build(f"{major}{minor}")))
     except (RuntimeError, OSError) as e:
         _reason[key] = str(e)
