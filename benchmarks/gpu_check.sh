@@ -54,6 +54,10 @@
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
 #   topk-cuda = the CUDA top-k (csrc/kernels/topk_rows.cu, built by nvcc on first use): its GPU tests, then its time
 #             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
+#   indexer-diag = the public indexer_topk at B = 64, 128 x 32K, 128K, bf16 and FP8 keys, split into its scores pass
+#             and its CUDA top-k (alone, on the op's own scores and on Gaussian rows), the top-k's stages and how many
+#             select passes its rows took (benchmarks/indexer_diag.py); indexer-sweep = the same + the scores pass by
+#             CHUNK x stages x warps x BLOCK_N (each config's scores checked against the default's)
 #   gather-bw = how fast the H200 reads the attention's random 1 KB rows, and contiguous ones
 #             (benchmarks/gather_bandwidth.py: the achievable gather floor at B = 64, 128)
 #   sweep   = launch-config sweep of attention, indexer scores and top-k (benchmarks/sweep_kernels.py);
@@ -170,6 +174,10 @@ for what in "$@"; do
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
     topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_rows_cuda.py 2>&1 | tail -5 \
            && python3 benchmarks/topk_diag.py --rows 1 64 128 --n 8192 32768; } 2>&1 | tee "$OUT/topk_cuda.log" || rc=1 ;;
+    indexer-diag) python3 benchmarks/indexer_diag.py --batches 64 128 --contexts 32768 131072 2>&1 \
+           | tee "$OUT/indexer_diag.log" | grep -e "what=op" -e "what=scores" -e "what=topk " || rc=1 ;;
+    indexer-sweep) python3 benchmarks/indexer_diag.py --batches 64 128 --contexts 32768 131072 --sweep 2>&1 \
+           | tee "$OUT/indexer_sweep.log" | grep -v scores_sweep || rc=1 ;;
     gather-bw) python3 benchmarks/gather_bandwidth.py 2>&1 | tee "$OUT/gather_bandwidth.log" || rc=1 ;;
     gluon-check) python3 benchmarks/gluon_attention_check.py --sweep 2>&1 | tee "$OUT/gluon_check.log" \
            | grep -v "^\.\.\." | tail -60 || rc=1 ;;
@@ -212,7 +220,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

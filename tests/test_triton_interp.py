@@ -278,15 +278,32 @@ def test_indexer_scores_chunks_cover_the_row(chunk, poison, tol):
 
 
 def test_indexer_config_fills_the_gpu_from_static_sizes():
-    """Scores chunks shrink for few tokens or short rows (about 2 programs per SM)."""
+    """Scores chunks shrink for few tokens or short rows (about 2 programs per SM, one wave)."""
     big = indexer.indexer_config(B=64, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
     one = indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=8192, topk=512, sms=132)
     assert big["CHUNK"] == 2048 and 64 * (8192 // big["CHUNK"]) >= 2 * 132 * 0.9
     assert one["CHUNK"] == one["BLOCK_N"] == 64
-    assert indexer.indexer_config(B=4096, S=1, HI=64, DI=128, N=32768, topk=512, sms=132)["CHUNK"] == 2048
     # top-k: rows up to 32K scores (128K context) in registers on CUDA; ROCm keeps the looped kernel
     assert big["TOPK_ROW"] == 32768 and big["TOPK_BITS"] == 5
     assert indexer.indexer_config(B=1, S=1, HI=64, DI=128, N=8192, topk=512, backend="hip")["TOPK_ROW"] == 0
+
+
+@pytest.mark.parametrize("B, N, keys_fp8, chunk", [
+    (64, 8192, False, 2048),     # 32K context: 256 programs
+    (128, 8192, False, 4096),    # 256 programs, not 512 (3 fit an SM: a second, mostly idle wave)
+    (64, 32768, False, 8192),    # 128K context: 256 programs
+    (128, 32768, False, 1024),   # one wave would need chunks past 8192: many short waves instead
+    (4096, 32768, False, 1024),  # a prefill's worth
+    (128, 8192, True, 2048),     # FP8 keys: chunks of at most 2048, as before (not swept again)
+    (1, 8192, True, 64),
+])
+def test_scores_chunk_keeps_the_grid_in_one_wave_or_many(B, N, keys_fp8, chunk):
+    """The H200 sweep (BENCHMARKS.md session 15): grids of 256 programs (one wave of 2 a SM) or
+    thousands, never ~512 (3.9 a SM where 3 fit)."""
+    cfg = indexer.indexer_config(B=B, S=1, HI=64, DI=128, N=N, topk=512, sms=132, keys_fp8=keys_fp8)
+    assert cfg["CHUNK"] == chunk
+    programs = B * -(-N // chunk)
+    assert programs <= 2 * 132 or programs >= 8 * 132 or keys_fp8
 
 
 INDEXER_CASES = {

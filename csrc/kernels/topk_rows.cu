@@ -13,11 +13,12 @@
 // k-th best key cannot be under (most of a random row is below it).
 //
 // Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
-// [t * ITEMS, (t + 1) * ITEMS)); (2) radix select: the threshold key's bits, 8 at a time,
-// stopping early when the threshold's bin is taken whole; (3) compaction in index order (block
-// prefix sums: the entries above the threshold, then the first k_rem equal to it by index);
-// (4) a bitonic sort of the picks packed as key << 32 | ~index (descending: score, then lower
-// index first), in registers, shuffles and shared memory; (5) the indices out, -1 past the picks.
+// [t * ITEMS, (t + 1) * ITEMS)); (2) select: the threshold key, narrowed 8 bits at a time from the
+// candidates' own key range (radix digits of the offset from the least candidate), stopping early
+// when the threshold's bin is taken whole; (3) compaction (one block prefix sum of two counts: the
+// entries above the threshold, then the first k_rem equal to it by index); (4) a bitonic sort of
+// the picks packed as key << 32 | ~index (descending: score, then lower index first), in registers,
+// shuffles and shared memory; (5) the indices out, -1 past the picks.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -25,7 +26,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kBins = 256;            // 8-bit digits: four passes fix a 32-bit key
+constexpr int kBins = 256;            // 8-bit digits: at most four passes fix a 32-bit key
 constexpr int kMaxTopk = 2048;        // picks sorted in shared memory
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
@@ -34,39 +35,43 @@ __device__ __forceinline__ uint32_t ordered_key(float x) {
 }
 
 // Exclusive prefix sum of one value a thread, in thread order; the block's total in *total.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+template <typename T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* warp_sums, T* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
+  T x = v;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    int y = __shfl_up_sync(0xffffffffu, x, o);
+    T y = __shfl_up_sync(0xffffffffu, x, o);
     if (lane >= o) x += y;
   }
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < kWarps ? warp_sums[lane] : 0;
+    T w = lane < kWarps ? warp_sums[lane] : T(0);
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      int y = __shfl_up_sync(0xffffffffu, w, o);
+      T y = __shfl_up_sync(0xffffffffu, w, o);
       if (lane >= o) w += y;
     }
     if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
-  const int before = (warp ? warp_sums[warp - 1] : 0) + x - v;
+  const T before = (warp ? warp_sums[warp - 1] : 0) + x - v;
   *total = warp_sums[kWarps - 1];
   __syncthreads();  // warp_sums may be reused by the next scan
   return before;
 }
 
+// The sort: kpad picks over the block's threads, E a thread (pick i = e * kThreads + tid; slots past
+// k_eff sort last as 0). (Sorting with 4 warps of several consecutive picks each, so that fewer steps
+// cross warps, measured slower on the H200: 4.9 against 2.2 us for 512 picks; session 15.)
 template <int E>
 __device__ __forceinline__ void sort_and_store(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff,
                                                int topk) {
   const int tid = threadIdx.x;
   unsigned long long v[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) v[e] = picks[e * kThreads + tid];
+  for (int e = 0; e < E; ++e) v[e] = e * kThreads + tid < k_eff ? picks[e * kThreads + tid] : 0ull;
   constexpr int n = E * kThreads;
   for (int k = 2; k <= n; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
@@ -117,7 +122,7 @@ __device__ __forceinline__ void sort_and_store(unsigned long long* picks, int* o
 }
 
 template <int ITEMS>
-__global__ void __launch_bounds__(kThreads) topk_rows_kernel(
+__global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel(
     const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
     const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
     int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
@@ -127,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_kernel(
   static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
   int* hist = reinterpret_cast<int*>(scratch);
   unsigned long long* picks = reinterpret_cast<unsigned long long*>(scratch);
-  __shared__ uint32_t warp_min[kWarps];
+  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
   __shared__ int warp_sums[kWarps];
   __shared__ int s_digit, s_above, s_count;
 
@@ -166,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) topk_rows_kernel(
   // the smallest of those threads' maxima is <= the k-th best key (at least that many entries,
   // one a thread, are >= it). Dropping them leaves the threshold, and every entry >= it, as they
   // were, and spares the histograms the bulk of the row (random scores crowd into a few bins).
-  uint32_t floor_key = 0;
+  uint32_t floor_key = 0, lo_key = 0xFFFFFFFFu, hi_key = 0;
   {
     uint32_t my_max = 0;
     bool any = false;
@@ -177,107 +182,146 @@ __global__ void __launch_bounds__(kThreads) topk_rows_kernel(
         any = true;
       }
     }
-    // min over threads with live entries; their count: via one scan-like reduction
-    uint32_t m = any ? my_max : 0xFFFFFFFFu;
+    // over threads with live entries: the min of their maxima, the max; their count
+    uint32_t m = any ? my_max : 0xFFFFFFFFu, hi = my_max;
     int n_live = any ? 1 : 0;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
+      hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
       n_live += __shfl_xor_sync(0xffffffffu, n_live, o);
     }
     if ((tid & 31) == 0) {
       warp_min[tid >> 5] = m;
+      warp_max[tid >> 5] = hi;
       warp_sums[tid >> 5] = n_live;
     }
     __syncthreads();
-    uint32_t block_min = 0xFFFFFFFFu;
     int live_threads = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      block_min = min(block_min, warp_min[w]);
+      lo_key = min(lo_key, warp_min[w]);
+      hi_key = max(hi_key, warp_max[w]);
       live_threads += warp_sums[w];
     }
-    if (k_eff <= live_threads) floor_key = block_min;
-    __syncthreads();  // warp_sums is reused by the scans
+    __syncthreads();  // warp_min and warp_sums are reused below
+    if (k_eff <= live_threads) {
+      floor_key = lo_key;
+    } else {  // no floor (k_eff > the threads with live entries): the candidates' least is the row's
+      uint32_t lo = 0xFFFFFFFFu;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i)
+        if (first + i < vis) lo = min(lo, key[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      if ((tid & 31) == 0) warp_min[tid >> 5] = lo;
+      __syncthreads();
+      lo_key = 0xFFFFFFFFu;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) lo_key = min(lo_key, warp_min[w]);
+    }
   }
 
-  uint32_t prefix = 0, known = 0;
+  // (2) select: the threshold key, narrowed to an interval [lo, lo + span] of keys that holds it.
+  // It starts as [lo_key, hi_key], where every candidate lies, and each pass splits it into at
+  // most 256 bins of 2^shift keys counted from lo (a radix of the offset key - lo, not of the key:
+  // bins aligned to lo spread the candidates over the whole histogram, where digits of the key
+  // itself put a row that crosses a power of two, e.g. scores from 0.4 to 3.9, into a few bins and
+  // the warps' atomics onto a few addresses). k_rem = picks still needed from the interval.
+  uint32_t lo = lo_key, span = hi_key - lo_key;
   int k_rem = k_eff;
   bool done = k_eff == 0;
   int* my_hist = hist + (tid >> 5) * kBins;  // this warp's own histogram: no contention between warps
-#pragma unroll 1
-  for (int pass = 0; pass < 4 && !done; ++pass) {
-    const int shift = 24 - 8 * pass;
+  const int lane = tid & 31, warp = tid >> 5;
+  int passes = 0;  // reported by the diagnostics
+  if (span != 0 && !done) {
     for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;
     __syncthreads();
+  }
+#pragma unroll 1
+  while (span != 0 && !done) {
+    const int shift = max(32 - __clz(span) - 8, 0);  // span >> shift <= 255
+    ++passes;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-      const bool cand = first + i < vis && key[i] >= floor_key && (key[i] & known) == prefix;
-      if (cand) atomicAdd(&my_hist[(key[i] >> shift) & 0xFFu], 1);
+      const uint32_t off = key[i] - lo;  // keys below lo wrap past span
+      if (first + i < vis && key[i] >= floor_key && off <= span) atomicAdd(&my_hist[off >> shift], 1);
     }
-    __syncthreads();
-    // the threshold digit d*: count(digit > d*) < k_rem <= count(digit >= d*). Thread t < 256
-    // owns bin 255 - t, so a prefix scan in thread order counts the entries in the bins above.
-    int own = 0;
+    __syncthreads();  // (a) the histograms are complete
+    // the threshold bin d*: count(bins above d*) < k_rem <= count(bins from d* up). Threads
+    // 0-255 own bin 255 - t, so a prefix sum in thread order counts the entries in the bins above.
+    int own = 0, incl = 0;
     if (tid < kBins) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) own += hist[w * kBins + (kBins - 1 - tid)];
+      incl = own;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (lane == 31) warp_sums[warp] = incl;
     }
-    int total;
-    const int above = block_exclusive_scan(own, warp_sums, &total);
-    if (tid < kBins && above < k_rem && above + own >= k_rem) {
-      s_digit = kBins - 1 - tid;
-      s_above = above;
-      s_count = own;
+    __syncthreads();  // (b) the bin warps' totals; every histogram read
+    for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;  // the next pass's
+    if (tid < kBins) {
+      int above = incl - own;
+      for (int w = 0; w < warp; ++w) above += warp_sums[w];
+      if (above < k_rem && above + own >= k_rem) {
+        s_digit = kBins - 1 - tid;
+        s_above = above;
+        s_count = own;
+      }
     }
-    __syncthreads();
+    __syncthreads();  // (c) the threshold bin published, the histograms cleared
     k_rem -= s_above;
-    prefix |= uint32_t(s_digit) << shift;
-    known |= 0xFFu << shift;
-    done = k_rem == s_count;  // the whole bin is picked: nothing below it needs telling apart
-    __syncthreads();          // s_* are rewritten by the next pass
+    done = k_rem == s_count;  // the whole bin is picked: nothing in it needs telling apart
+    lo += uint32_t(s_digit) << shift;
+    span = min(span - (uint32_t(s_digit) << shift), (1u << shift) - 1u);
   }
+  // the picks: every candidate above lo + span, and k_rem of those in [lo, lo + span] (all of them
+  // when done; else the interval is one key, and ties go to the lower index)
+  const uint32_t hi = lo + span;
 
-  if (stop_after == 2) {  // diagnostics: loaded and selected
-    if (tid == 0) out_row[0] = int(prefix) + k_rem;
+  if (stop_after == 2) {  // diagnostics: loaded and selected; how many passes the select took
+    if (tid == 0) out_row[0] = passes;
     return;
   }
 
-  // (3) compaction in index order: every candidate (live, >= floor) whose known bits exceed
-  // prefix, plus the first k_rem whose known bits equal it (all of them when done)
-  int eq_before = 0;
-  if (!done && k_eff > 0) {  // rank the ties by index
-    int n_eq = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) n_eq += first + i < vis && key[i] >= floor_key && (key[i] & known) == prefix;
-    int total;
-    eq_before = block_exclusive_scan(n_eq, warp_sums, &total);
-  }
-  int n_sel = 0;
-  unsigned sel_bits = 0;  // ITEMS <= 64: two words
-  unsigned sel_bits_hi = 0;
+  // (3) compaction: every candidate (live, >= floor) above hi, then the first k_rem by index in
+  // [lo, hi] (all of them when done). One scan counts both (above in the low half-word, in the
+  // interval in the high: each total <= N <= 32768); the picks' order is the sort's business, so
+  // above go to [0, n_above) and the interval's after them.
+  // this thread's entries of each kind, a bit each (two words: ITEMS <= 64)
+  unsigned above_bits[(ITEMS + 31) / 32] = {}, eq_bits[(ITEMS + 31) / 32] = {};
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const bool live = first + i < vis && key[i] >= floor_key;  // the select's candidates
-    const uint32_t high = key[i] & known;
-    bool sel = live && high > prefix;
-    if (live && high == prefix) {
-      sel = done || eq_before < k_rem;
-      ++eq_before;
-    }
-    if (sel) {
-      ++n_sel;
-      if (i < 32) sel_bits |= 1u << i; else sel_bits_hi |= 1u << (i - 32);
-    }
+    const bool live = first + i < vis && key[i] >= floor_key;
+    if (live && key[i] > hi) above_bits[i / 32] |= 1u << (i % 32);
+    if (live && key[i] >= lo && key[i] <= hi) eq_bits[i / 32] |= 1u << (i % 32);
   }
-  int n_total;
-  int slot = block_exclusive_scan(n_sel, warp_sums, &n_total);
-  for (int i = tid; i < kpad; i += kThreads) picks[i] = 0ull;  // fillers sort last
-  __syncthreads();
+  unsigned n_above = 0, n_eq = 0;
+#pragma unroll
+  for (int w = 0; w < (ITEMS + 31) / 32; ++w) {
+    n_above += __popc(above_bits[w]);
+    n_eq += __popc(eq_bits[w]);
+  }
+  unsigned packed_total;
+  const unsigned packed_before = block_exclusive_scan(n_above | n_eq << 16, reinterpret_cast<unsigned*>(warp_sums),
+                                                      &packed_total);
+  int above_slot = int(packed_before & 0xFFFFu);
+  int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);  // the equal ones after every above
+  const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
+  // (picks alias the histograms, last read before the select's final barriers; the sort reads
+  // only [0, k_eff), so nothing is cleared)
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const bool sel = i < 32 ? (sel_bits >> i) & 1u : (sel_bits_hi >> (i - 32)) & 1u;
-    if (sel) picks[slot++] = (static_cast<unsigned long long>(key[i]) << 32) | uint32_t(~uint32_t(first + i));
+    const unsigned long long pick = (static_cast<unsigned long long>(key[i]) << 32) | uint32_t(~uint32_t(first + i));
+    if ((above_bits[i / 32] >> (i % 32)) & 1u) picks[above_slot++] = pick;
+    if ((eq_bits[i / 32] >> (i % 32)) & 1u) {
+      if (eq_slot < eq_end) picks[eq_slot] = pick;
+      ++eq_slot;
+    }
   }
   __syncthreads();
 

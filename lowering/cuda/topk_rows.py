@@ -2,9 +2,10 @@
 
 What ``dsv4::indexer_topk`` runs after its Triton scores kernel on NVIDIA GPUs, through the opaque
 op ``dsv4::topk_rows_cuda`` (``dsv4_ops/ops/topk_cuda.py``): the Triton top-k's radix select costs
-~1.9 us a 5-bit pass (``tl.histogram`` has no shared-memory atomics); the CUDA kernel's four 8-bit
+~1.9 us a 5-bit pass (``tl.histogram`` has no shared-memory atomics); the CUDA kernel's 8-bit
 passes count into per-warp shared-memory histograms, over the entries above a floor the k-th best
-cannot be under (BENCHMARKS.md, session 14).
+cannot be under, radix digits of the offset from the least candidate (BENCHMARKS.md, sessions
+14-15).
 
 The source is compiled by ``nvcc`` (``$DSV4_OPS_NVCC``, ``$CUDA_HOME/bin/nvcc``, or ``nvcc`` on
 ``PATH``) for the GPU's own architecture into a shared library under ``$DSV4_OPS_CACHE``
@@ -120,7 +121,8 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
     ``min(topk, visible)`` best of its first ``visible [B, S]`` entries (clamped to ``[0, N]``),
     by score descending then index ascending, then -1. Launched on the current stream.
     ``stop_after`` (diagnostics, ``benchmarks/topk_diag.py``): 1, 2, 3 end the kernel after its
-    load, select, compaction (``out`` is then wrong)."""
+    load, select, compaction (``out`` is then wrong; after the select ``out[b, s, 0]`` is the
+    number of passes the select took)."""
     B, S, N = scores.shape
     index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
     lib = library(index)

@@ -51,8 +51,8 @@ from .fp8_codec import bytes_of_words, e4m3_hw, e4m3_to, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
-           "topk_row_kernel", "indexer_config", "topk_segment", "topk_fused_chunk", "fused_warps", "indexer_launches",
-           "scores_launch", "topk_launches", "fused_launches", "IndexerLaunches"]
+           "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
+           "indexer_launches", "scores_launch", "topk_launches", "fused_launches", "IndexerLaunches"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -462,14 +462,38 @@ def fused_warps(chunk: int) -> int:
     return FUSED_WARPS
 
 
+SCORES_CHUNK_ONE_WAVE_MAX = 8192  # the longest chunk a program takes when one wave of 2 a SM covers the grid
+SCORES_CHUNK_MANY_WAVES = 1024  # bf16 keys past that: many short waves, so the last one is a small part
+
+
+def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = False) -> int:
+    """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores: the power of two that
+    gives about 2 programs per SM, all in one wave, when that chunk is at most 8192 entries.
+    Three programs of the default config fit an SM at once, so a grid of 3-4 programs per SM
+    leaves a second, mostly idle wave: bf16 keys on the H200 (session 15,
+    ``benchmarks/indexer_diag.py --sweep``): B=128 x 32K 80.3 us at chunk 2048 (512 programs)
+    against 67.6 at 4096 (256); B=64 x 128K 155.8 at 4096 (512) against 131.7 at 8192 (256).
+    Longer work (B=128 x 128K, prefill) takes 1024-entry chunks, many waves: 262.2 us against
+    270.6 at 2048 and 307.2 at 8192. FP8 keys keep the rule it replaced (chunks of at most
+    2048): their scores pass is not bytes-bound, and their sweep put chunk 1024 ahead at three
+    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so.
+    per_program = -(-entries // (2 * sms))
+    if keys_fp8:
+        return min(max(block_n, next_pow2(per_program)), 2048)
+    if per_program <= SCORES_CHUNK_ONE_WAVE_MAX:
+        return max(block_n, next_pow2(per_program))
+    return SCORES_CHUNK_MANY_WAVES
+
+
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
                    backend: str = "cuda", keys_fp8: bool = False) -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
 
     Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
     program loops over ``CHUNK`` entries with its ``q`` loaded once and the key loads
-    pipelined; ``CHUNK`` is sized so that the grid is about ``2 * sms`` programs: long chunks
-    amortise the ``q`` load, short ones still fill the GPU for short rows or few tokens.
+    pipelined; ``CHUNK`` is sized so that the grid is about ``2 * sms`` programs in one wave
+    (:func:`scores_chunk`): long chunks amortise the ``q`` load, short ones still fill the GPU
+    for short rows or few tokens.
     Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 128K context)
     take ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps``
     warps; past 16K scores part of the row lives on the stack, and it is still the faster
@@ -495,14 +519,13 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
     On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
     scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
-    kernel (H200, session 14: 11.5 us for 64 rows of 8192 scores, where these took 20-23).
+    kernel (H200, session 15: 10.0 us for 64 rows of 8192 scores, where these took 20-23).
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
     at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
     """
     block_n = 64
-    per_program = -(-(B * S * N) // (2 * sms))
-    chunk = min(max(block_n, next_pow2(per_program)), 2048)
+    chunk = scores_chunk(B * S * N, sms, block_n, keys_fp8)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
     # FP8 keys: the fused path measured slower (B=64 x 128K 205.6 against 187.4 us, B=128 x 32K
@@ -531,7 +554,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out, None
-    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend()), **(config or {})}
+    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend(), fp8), **(config or {})}
     keys_fp8 = 0  # 1: FP8 keys read a byte per lane; 2: as 32-bit words (every key 4-byte aligned)
     if fp8:
         key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
