@@ -476,7 +476,7 @@ def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = Fal
     Longer work (B=128 x 128K, prefill) takes 1024-entry chunks, many waves: 262.2 us against
     270.6 at 2048 and 307.2 at 8192. FP8 keys keep the rule it replaced (chunks of at most
     2048): their scores pass is not bytes-bound, and their sweep put chunk 1024 ahead at three
-    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so.
+    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so."""
     per_program = -(-entries // (2 * sms))
     if keys_fp8:
         return min(max(block_n, next_pow2(per_program)), 2048)
