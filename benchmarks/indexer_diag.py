@@ -79,6 +79,9 @@ def main() -> int:
                 line("scores", scores_only)
                 if args.sweep:
                     sweep_scores(tag, q, w, keys, visible, scores, dev)
+                if topk_rows.library() is None:  # no nvcc / not NVIDIA: the op took the Triton top-k
+                    print(f"{tag} what=topk unavailable ({topk_rows.unavailable_reason()})", flush=True)
+                    continue
                 out = torch.empty((*scores.shape[:2], k), dtype=torch.int32, device=dev)
                 line("topk", lambda: topk_rows.topk_rows(scores, visible, k, out=out))
                 want = torch.ops.dsv4.indexer_topk(q, w, keys, visible, k)
