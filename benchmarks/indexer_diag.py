@@ -42,11 +42,19 @@ def sweep_scores(tag: str, q, w, keys, visible, want: torch.Tensor, dev) -> None
                     except Exception as e:  # e.g. out of shared memory: say so, go on
                         ok, us = False, f"failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})"
                     print(f"{tag} what=scores_sweep chunk={chunk} stages={stages} warps={warps} block_n={block_n} "
-                          f"grid={B_chunks(want, chunk)} us={us} ok={ok}", flush=True)
+                          f"grid={programs(want, chunk)} us={us} ok={ok}", flush=True)
 
 
-def B_chunks(scores: torch.Tensor, chunk: int) -> int:
+def programs(scores: torch.Tensor, chunk: int) -> int:
+    """The scores pass's grid size for ``chunk``-entry chunks of ``scores [B, S, N]``."""
     return scores.shape[0] * scores.shape[1] * -(-scores.shape[2] // chunk)
+
+
+def select_passes(scores: torch.Tensor, visible: torch.Tensor, k: int, out: torch.Tensor) -> dict:
+    """{passes: rows}: how many select passes the CUDA top-k took on each row (what it reports when cut
+    short after the select)."""
+    topk_rows.topk_rows(scores, visible, k, out=out, stop_after=2)
+    return dict(sorted(collections.Counter(out[:, :, 0].flatten().tolist()).items()))
 
 
 def main() -> int:
@@ -89,14 +97,10 @@ def main() -> int:
                 for stop, stage in ((1, "load"), (2, "+select"), (3, "+compaction")):
                     line(f"topk_upto_{stage}", lambda stop=stop: topk_rows.topk_rows(scores, visible, k, out=out,
                                                                                        stop_after=stop))
-                topk_rows.topk_rows(scores, visible, k, out=out, stop_after=2)
-                passes = collections.Counter(out[:, :, 0].flatten().tolist())
-                print(f"{tag} what=select_passes {dict(sorted(passes.items()))}", flush=True)
+                print(f"{tag} what=select_passes {select_passes(scores, visible, k, out)}", flush=True)
                 gauss = torch.randn_like(scores)
                 line("topk_gaussian_rows", lambda: topk_rows.topk_rows(gauss, visible, k, out=out))
-                topk_rows.topk_rows(gauss, visible, k, out=out, stop_after=2)
-                passes = collections.Counter(out[:, :, 0].flatten().tolist())
-                print(f"{tag} what=select_passes_gaussian {dict(sorted(passes.items()))}", flush=True)
+                print(f"{tag} what=select_passes_gaussian {select_passes(gauss, visible, k, out)}", flush=True)
     return 0
 
 
