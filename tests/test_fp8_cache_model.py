@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dsv4_ops
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator
 from dsv4_ops.model.kv_cache_dtype import check_kv_cache_dtype
 from dsv4_ops.ops import attention_sm90 as sm90
@@ -125,11 +126,17 @@ def test_compiled_fp8_decode_step_never_recompiles():
     no recompile over 40 steps (crossing the window ring, CSA blocks, indexer top-k growth),
     logits equal to the eager step. One CSA layer holds every FP8 cache kind (window ring, KV
     pool, indexer keys); the HCA pool is the same KV format. (The Generator's own compile
-    test covers prefill + decode; on this 2-core CI box each graph costs about a minute.)"""
+    test covers prefill + decode; on this 2-core CI box each graph costs about a minute.)
+
+    The indexer keeps every visible entry here (``index_topk`` 32 >= the 24 entries of 96
+    positions): it scores FP8 queries, and the compiled and eager query projections differ in
+    their last bits, so now and then one query value rounds to the neighbouring e4m3 code and a
+    near-tie pick flips, which no tolerance on the logits could tell from a bug. The compiled
+    selection itself is compared on equal inputs in ``test_compiled_fp8_indexer_equals_eager``."""
     import copy
 
     cfg = DSV4Config.tiny(head_dim=144, num_hidden_layers=1, layer_types=["compressed_sparse_attention"],
-                          mlp_layer_types=["moe"])
+                          mlp_layer_types=["moe"], index_topk=32)
     eager = random_model(cfg)
     eager.setup_caches(2, 96, kv_cache_dtype="fp8")
     compiled_model = copy.deepcopy(eager)
@@ -152,6 +159,30 @@ def test_compiled_fp8_decode_step_never_recompiles():
             assert (got - want).abs().max() <= 1e-4 * want.abs().max(), t
             lengths["compiled"] += 1
             lengths["eager"] += 1
+
+
+def test_compiled_fp8_indexer_equals_eager():
+    """``indexer_topk`` over FP8 keys compiled (``fullgraph``) picks what the eager op picks from the
+    same inputs: the FP8 queries' codes and scales, the scores and the tie rule survive compilation.
+    Queries near e4m3 rounding midpoints and ties in the scores make a wrong rounding visible."""
+    from dsv4_ops.reference import fp8_cache as fp8
+    from dsv4_ops.reference import ops as ref
+
+    torch.manual_seed(7)
+    B, S, HI, DI, N, k = 2, 3, 4, 32, 48, 8
+    keys = torch.empty(fp8.IndexerLayout(DI, 16).shape(B, N), dtype=torch.uint8)
+    ref._write_entries_fp8(keys, torch.randn(B, N, DI), torch.arange(N, dtype=torch.int32).expand(B, N).contiguous())
+    q = fp8.rotate(torch.randn(B, S, HI, DI))
+    q[0, 0, 0, :8] = torch.tensor([1.0, 1.0625, 1.125, 1.1875, 2.25, 2.375, -1.0625, 0.0]) * 32  # midpoints
+    q[1] = 0.0  # all scores 0: every pick decided by the tie rule
+    w = torch.randn(B, S, HI)
+    vis = torch.tensor([[N, 20, 0], [N, 7, 33]], dtype=torch.int32)
+
+    def pick(q, w, keys, vis):
+        return dsv4_ops.indexer_topk(q, w, keys, vis, k)
+    want = pick(q, w, keys, vis)
+    assert torch.equal(want, ref.indexer_topk(q, w, keys, vis, k))
+    assert torch.equal(torch.compile(pick, fullgraph=True)(q, w, keys, vis), want)
 
 
 def test_unknown_cache_dtype_is_refused_naming_the_argument(model):

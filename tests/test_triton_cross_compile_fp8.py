@@ -75,8 +75,11 @@ def _launches(backend: str):
                             torch.empty(b, S, **i32), torch.empty(H, **f32), D**-0.5, config=cfg)
         take(name, n)
     n = len(recorded)
+    # bf16 queries on sm_90 score FP8 keys with an e4m3 x e4m3 tensor-core dot (FP8_DOT, chosen at launch from the
+    # device: forced here, the tensors are on "meta"); ROCm decodes both sides
     ix.indexer_scores(torch.empty(B, 1, HI, DI, **bf16), torch.empty(B, 1, HI, **f32), keys, torch.empty(B, 1, **i32),
-                      config=ix.indexer_config(B, 1, HI, DI, N_POOL, K, backend=backend))
+                      config=dict(ix.indexer_config(B, 1, HI, DI, N_POOL, K, backend=backend),
+                                  FP8_DOT=int(backend == "cuda")))
     take("fp8_indexer_scores", n)
     # the fused top-k over FP8 keys at batch 64 x 32K (Flash top-512): the scores kernel with stage 1 fused
     # in (2048-entry chunks, forced: no config fuses FP8 keys, measured slower; a sweep may), then stage 2
@@ -107,6 +110,7 @@ def _worker(target_names):
                 entry["artifacts"] = {k: len(v) for k, v in compiled.asm.items()}
                 entry["resources"] = _resources(compiled)
                 entry["shared"] = compiled.metadata.shared
+                entry["fp8_mma"] = "e4m3.e4m3" in compiled.asm.get("ptx", "")  # wgmma ... .f32.e4m3.e4m3
             except Exception as e:  # reported, the parent test fails with it
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             results.append(entry)
@@ -136,6 +140,14 @@ def test_fp8_kernel_compiles(compiled, target, kernel):
         assert art.get("ptx", 0) > 0 and art.get("cubin", 0) > 0, art
     else:
         assert art.get("amdgcn", 0) > 0 and art.get("hsaco", 0) > 0, art
+
+
+def test_fp8_indexer_scores_run_on_fp8_tensor_cores(compiled):
+    """sm_90: the scores over FP8 keys are e4m3 x e4m3 wgmma (no decode of keys or queries), and
+    only there: the fused path (FP8_DOT off, as on ROCm) keeps the bf16 dot."""
+    assert compiled[("sm90", "fp8_indexer_scores")]["constexprs"]["FP8_DOT"] == 1
+    assert compiled[("sm90", "fp8_indexer_scores")]["fp8_mma"]
+    assert not compiled[("sm90", "fp8_indexer_fused")]["fp8_mma"]
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

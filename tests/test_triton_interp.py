@@ -294,16 +294,27 @@ def test_indexer_config_fills_the_gpu_from_static_sizes():
     (64, 32768, False, 8192),    # 128K context: 256 programs
     (128, 32768, False, 1024),   # one wave would need chunks past 8192: many short waves instead
     (4096, 32768, False, 1024),  # a prefill's worth
-    (128, 8192, True, 2048),     # FP8 keys: chunks of at most 2048, as before (not swept again)
+    (128, 8192, True, 2048),     # FP8 keys decoded (fp32 queries, ROCm): chunks of at most 2048, as before
     (1, 8192, True, 64),
+    (64, 8192, "dot", 1024),     # FP8 keys, e4m3 tensor-core dot: ~4 programs a SM (5 fit), up to 8192
+    (128, 8192, "dot", 2048),
+    (64, 32768, "dot", 4096),
+    (128, 32768, "dot", 8192),
+    (4096, 32768, "dot", 8192),
+    (1, 8192, "dot", 64),
 ])
 def test_scores_chunk_keeps_the_grid_in_one_wave_or_many(B, N, keys_fp8, chunk):
-    """The H200 sweep (BENCHMARKS.md session 15): grids of 256 programs (one wave of 2 a SM) or
-    thousands, never ~512 (3.9 a SM where 3 fit)."""
-    cfg = indexer.indexer_config(B=B, S=1, HI=64, DI=128, N=N, topk=512, sms=132, keys_fp8=keys_fp8)
+    """The H200 sweeps (BENCHMARKS.md sessions 15, 16): bf16 keys in grids of 256 programs (one wave
+    of 2 a SM) or thousands, never ~512 (3.9 a SM where 3 fit); FP8 keys on the e4m3 dot in one
+    wave of ~4 a SM (5 fit) or, past 8192-entry chunks, many."""
+    cfg = indexer.indexer_config(B=B, S=1, HI=64, DI=128, N=N, topk=512, sms=132, keys_fp8=bool(keys_fp8),
+                                 fp8_dot=keys_fp8 == "dot")
     assert cfg["CHUNK"] == chunk
     programs = B * -(-N // chunk)
-    assert programs <= 2 * 132 or programs >= 8 * 132 or keys_fp8
+    if keys_fp8 == "dot":
+        assert programs <= 4 * 132 or chunk == 8192
+    elif not keys_fp8:
+        assert programs <= 2 * 132 or programs >= 8 * 132
 
 
 INDEXER_CASES = {

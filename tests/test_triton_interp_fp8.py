@@ -219,7 +219,42 @@ def test_fp8_indexer_topk_matches_the_reference(offset, reader):
     got = ix.indexer_topk(q, w, keys, vis, 5, out=torch.full_like(want, 77))
     assert torch.equal(got, want)
     scores = ix.indexer_scores(q, w, keys, vis)
-    torch.testing.assert_close(scores, ref.indexer_scores(q, w, fp8.read_keys(keys), vis), rtol=1e-5, atol=1e-5)
+    # FP8 queries too (one power-of-two scale a head): the unquantised queries' scores differ
+    want_scores = ref.indexer_scores(fp8.simulate_queries(q), w, fp8.read_keys(keys), vis)
+    torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref.indexer_scores(q, w, fp8.read_keys(keys), vis), want_scores, rtol=1e-3, atol=1e-3)
+
+
+def test_fp8_indexer_bf16_queries_score_as_fp8_queries():
+    """bf16 queries over FP8 keys: on a GPU with FP8 MMA an e4m3 x e4m3 tensor-core dot (``FP8_DOT``),
+    in the interpreter both sides decoded to bf16. Either way the scores are those of the quantised
+    queries (``simulate_queries``) within the tensor cores' accumulation (sm_90 adds FP8 products with
+    fewer bits than fp32), and the picks are a best-scoring set within that. V4's indexer widths."""
+    torch.manual_seed(6)
+    B, S, HI, DI, N, k = 2, 1, 64, 128, 256 if CUDA else 96, 16
+    keys = torch.empty(fp8.IndexerLayout(DI, 64).shape(B, N), dtype=torch.uint8, device=DEVICE)
+    ref._write_entries_fp8(keys, torch.randn(B, N, DI, device=DEVICE),
+                           torch.arange(N, dtype=torch.int32, device=DEVICE).expand(B, N).contiguous())
+    q = fp8.rotate(torch.randn(B, S, HI, DI, device=DEVICE)).to(torch.bfloat16)
+    w = torch.randn(B, S, HI, device=DEVICE)
+    vis = torch.tensor([[N], [N - 5]], dtype=torch.int32, device=DEVICE)
+    fp8_mma = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+    assert ix.scores_launch(q, w, keys, vis)[1].meta["FP8_DOT"] == int(fp8_mma)
+    got = ix.indexer_scores(q, w, keys, vis)
+    want = ref.indexer_scores(fp8.simulate_queries(q), w, fp8.read_keys(keys), vis)
+    live = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), live)
+    span = want[live].abs().max()
+    err = (got[live] - want[live]).abs().max() / span
+    assert err < 2e-3, f"scores off by {err:.2e} of their range"
+    unquantised = ref.indexer_scores(q, w, fp8.read_keys(keys), vis)
+    assert ((unquantised[live] - want[live]).abs().max() / span) > 10 * err  # the queries' quantisation is seen
+    picks = ix.indexer_topk(q, w, keys, vis, k)
+    for b in range(B):
+        row = want[b, 0]
+        kth = row.sort(descending=True).values[k - 1]
+        chosen = row[picks[b, 0].long()]
+        assert picks[b, 0].unique().numel() == k and (chosen >= kth - 2e-3 * span).all(), (b, chosen, kth)
 
 
 def test_the_kernel_benchmarks_fp8_cases_run_through_the_kernels():

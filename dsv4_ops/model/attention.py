@@ -295,6 +295,8 @@ class Attention(nn.Module):
                 qI, w = idx.queries(x, qr, cos, sin)
                 if is_fp8 or sim:  # the keys are stored rotated: rotate the queries alike
                     qI = fp8.rotate(qI).to(qI.dtype)
+                if sim:  # what the op does over FP8 keys: FP8 queries
+                    qI = fp8.simulate_queries(qI).to(qI.dtype)
                 cmp_idx = dsv4.indexer_topk(qI, w, state.idx_pool, visible, idx.topk)
             else:
                 cmp_len = visible

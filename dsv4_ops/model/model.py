@@ -197,7 +197,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Reference FP8 numerics on float caches (the oracle of ``kv_cache_dtype="fp8"``): every
         row written to a window ring or compressed pool becomes what the FP8 cache would give
         back (quantise -> dequantise, ``fp8_cache.simulate_kv``), indexer keys are rotated and
-        quantised (``simulate_keys``) and the indexer queries rotated. Applies to the cache-free
+        quantised (``simulate_keys``) and the indexer queries rotated and quantised
+        (``simulate_queries``). Applies to the cache-free
         forward and to float caches; an FP8 cache is quantised anyway."""
         for attn in self._attention_layers():
             attn.quant_sim = bool(enabled)

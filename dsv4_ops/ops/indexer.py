@@ -57,7 +57,10 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
         weights: ``[B, S, HI]`` float per-head weights, every scale folded in.
         keys: ``[B, N, DI]`` indexer-key pool, same dtype as ``q``; ``N`` may be 0. Or FP8 keys
             ``uint8 [B, pages, page, DI + 4]`` (``N = pages * page``; ``dsv4_ops/reference/fp8_cache.py``):
-            those hold Hadamard-ROTATED keys, so pass rotated queries (``fp8_cache.rotate``).
+            those hold Hadamard-ROTATED keys, so pass rotated queries (``fp8_cache.rotate``). Over
+            FP8 keys the queries are quantised too, each head to e4m3 codes with one power-of-two
+            scale (``fp8_cache.simulate_queries``), as the serving engines score them: on CUDA an
+            FP8 x FP8 tensor-core dot for bf16 queries.
         visible: ``[B, S] int32`` in ``0 .. N``: entries ``i < visible`` may be picked
             (causality ``(t+1)//m``, 0 for padding queries).
         topk: output width ``k >= 1``.

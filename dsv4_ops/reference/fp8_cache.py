@@ -38,6 +38,7 @@ from torch import Tensor
 
 __all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "PAGE_SIZE", "KVLayout", "IndexerLayout", "scale_exponent",
            "quantize_kv", "dequantize_kv", "simulate_kv", "quantize_keys", "dequantize_keys", "simulate_keys",
+           "simulate_queries",
            "rotate", "to_entries", "from_entries", "read_kv", "read_keys", "is_fp8_cache", "entries"]
 
 QUANT_BLOCK = 64  # nope values per ue8m0 scale (KV format)
@@ -229,6 +230,17 @@ def dequantize_keys(codes: Tensor, scale_bytes: Tensor) -> Tensor:
 def simulate_keys(k: Tensor) -> Tensor:
     """Rotate -> quantise -> dequantise (what the FP8 indexer cache holds), in ``k.dtype``."""
     return dequantize_keys(*quantize_keys(rotate(k))).to(k.dtype)
+
+
+def simulate_queries(q: Tensor) -> Tensor:
+    """Indexer queries as they meet FP8 keys: each head's ``DI`` values (already rotated) quantised
+    by the keys' rule (one power-of-two scale a head, e4m3 codes) and dequantised, fp32.
+
+    The serving engines score FP8 keys with FP8 queries (SGLang's and vLLM's fused q
+    rope-Hadamard-quant, DeepGEMM's FP8 logits; DeepSeek's V3.2 ``act_quant`` of the indexer q), so
+    the scores are an FP8 x FP8 dot, which the tensor cores run without decoding either side.
+    Idempotent in value: a simulated query quantises to the same values again."""
+    return dequantize_keys(*quantize_keys(q))
 
 
 # --------------------------------------------------------------------------------------

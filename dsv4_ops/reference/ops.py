@@ -19,7 +19,9 @@ means "nothing" in every index tensor.
 FP8 caches (``fp8_cache.py``): wherever an op takes a window ring, a compressed pool or an
 indexer-key pool, it also takes that cache in its paged FP8 layout (a rank-4 ``uint8`` tensor):
 ``cache_write`` and ``compress`` quantise on write, ``sparse_attention`` and ``indexer_topk``
-dequantise what they read. Pool sizes ``N`` are then ``pages * page`` entries.
+dequantise what they read. Over FP8 keys ``indexer_topk`` also quantises its queries, one
+power-of-two scale a head (``fp8_cache.simulate_queries``): an FP8 x FP8 score, as the serving
+engines compute it. Pool sizes ``N`` are then ``pages * page`` entries.
 
 Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject
 them, the raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the
@@ -351,8 +353,9 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
 
     Raw-op contract: ``visible`` is clamped to ``[0, N]``.
     """
-    if fp8.is_fp8_cache(keys):  # rotated keys: the caller passes rotated queries
+    if fp8.is_fp8_cache(keys):  # rotated keys: the caller passes rotated queries, scored as FP8 (per head)
         keys = fp8.read_keys(keys)
+        q = fp8.simulate_queries(q)
     B, S = visible.shape
     N = keys.shape[1]
     scores = indexer_scores(q, weights, keys, visible)

@@ -6,7 +6,11 @@ Three kernels (the row one in three modes):
   entries, all heads at once, looping over blocks of ``BLOCK_N`` entries with pipelined key
   loads: ``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate),
   ``score = sum_h w[h] * relu(dots[:, h])``; ``-inf`` for ``i >= visible``. Entries past
-  ``visible`` skip the key loads.
+  ``visible`` skip the key loads. FP8 keys (``KEYS_FP8``): the program quantises its queries
+  first, each head to e4m3 codes with one power-of-two scale folded into ``w[h]``
+  (``fp8_cache.simulate_queries``); ``FP8_DOT`` (bf16 queries on sm_89+) multiplies the codes
+  of both sides on the FP8 tensor cores, the keys going from global to shared memory untouched;
+  otherwise both sides are decoded exactly and the dot is bf16 / fp32.
 - ``topk_row_kernel`` (rows of up to ``TOPK_ROW`` scores) and ``topk_kernel`` (longer
   rows, looping over blocks): one program per query row, exact and deterministic, no sort
   of the row:
@@ -47,12 +51,12 @@ import triton.language as tl
 
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
-from .fp8_codec import bytes_of_words, e4m3_hw, e4m3_to, word_aligned
+from .fp8_codec import bytes_of_words, e4m3_encode, e4m3_hw, e4m3_to, pow2, scale_exponent, word_aligned
 from ._launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
            "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
-           "indexer_launches", "scores_launch", "topk_launches", "fused_launches", "IndexerLaunches"]
+           "indexer_launches", "scores_launch", "fp8_dot_serves", "topk_launches", "fused_launches", "IndexerLaunches"]
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
@@ -70,6 +74,7 @@ def indexer_scores_kernel(
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, E4M3_HW: tl.constexpr,
     KEY_PAGE: tl.constexpr,  # FP8 keys a page: static, so the page arithmetic is shifts
+    FP8_DOT: tl.constexpr,  # FP8 keys: the dot on e4m3 codes (tensor cores), not on decoded bf16 / fp32
     TOPK_FUSED: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr,
 ):
     """Scores of query token ``pid 0`` over entries ``[pid 1 * CHUNK, +CHUNK)`` into ``out_ptr``
@@ -103,6 +108,16 @@ def indexer_scores_kernel(
             mask=h_mask[None, :] & d_mask[:, None], other=0.0,
         )
         w = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h * sw_h, mask=h_mask, other=0.0).to(tl.float32)
+        if KEYS_FP8:  # FP8 queries (fp8_cache.simulate_queries): e4m3 codes, one power-of-two scale a head,
+            #           which joins the head's weight (relu and the head sum commute with it, exactly)
+            q_f = q_t.to(tl.float32)
+            q_exp = scale_exponent(tl.max(tl.abs(q_f), 0))
+            q_code = e4m3_encode(q_f * pow2(254 - q_exp)[None, :]).to(tl.uint8)
+            w = w * pow2(q_exp)
+            if FP8_DOT:
+                q_t = q_code.to(tl.float8e4nv, bitcast=True)
+            else:
+                q_t = e4m3_to(q_code, q_t.dtype, E4M3_HW)
         key_row0 = k_ptr + b * sk_b
         for start in range(lo, live_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -132,7 +147,10 @@ def indexer_scores_kernel(
                     kscale = sbits.to(tl.float32, bitcast=True)
                 # the key's scale is a power of two: the dot of its codes times the scale (after the
                 # relu and the head sum) is the dot of the dequantised key, bit for bit
-                keys = e4m3_to(code, q_t.dtype, E4M3_HW)
+                if FP8_DOT:
+                    keys = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                else:
+                    keys = e4m3_to(code, q_t.dtype, E4M3_HW)
             else:
                 keys = tl.load(
                     key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
@@ -140,6 +158,8 @@ def indexer_scores_kernel(
                 ).to(q_t.dtype)
             if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
                 dots = tl.dot(keys.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
+            elif FP8_DOT:  # exact products; the sm_90 tensor cores add them with fewer bits than fp32
+                dots = tl.dot(keys, q_t)
             else:
                 dots = tl.dot(keys, q_t, input_precision="ieee")
             scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
@@ -466,7 +486,7 @@ SCORES_CHUNK_ONE_WAVE_MAX = 8192  # the longest chunk a program takes when one w
 SCORES_CHUNK_MANY_WAVES = 1024  # bf16 keys past that: many short waves, so the last one is a small part
 
 
-def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = False) -> int:
+def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = False, fp8_dot: bool = False) -> int:
     """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores: the power of two that
     gives about 2 programs per SM, all in one wave, when that chunk is at most 8192 entries.
     Three programs of the default config fit an SM at once, so a grid of 3-4 programs per SM
@@ -476,7 +496,13 @@ def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = Fal
     Longer work (B=128 x 128K, prefill) takes 1024-entry chunks, many waves: 262.2 us against
     270.6 at 2048 and 307.2 at 8192. FP8 keys keep the rule it replaced (chunks of at most
     2048): their scores pass is not bytes-bound, and their sweep put chunk 1024 ahead at three
-    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so."""
+    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so.
+    FP8 keys scored by the e4m3 tensor-core dot (``fp8_dot``, session 16: 96 registers a thread,
+    five programs fit an SM) take the power of two that gives about 4 programs per SM, up to 8192
+    entries: the best 4-warp config of the sweep at each of B = 64, 128 x 32K, 128K (29.4, 48.0,
+    85.6, 160.7 us), where the old rule's 2048 took 33.6, 48.1, 90.1, 169.6."""
+    if keys_fp8 and fp8_dot:
+        return min(max(block_n, next_pow2(-(-entries // (4 * sms)))), SCORES_CHUNK_ONE_WAVE_MAX)
     per_program = -(-entries // (2 * sms))
     if keys_fp8:
         return min(max(block_n, next_pow2(per_program)), 2048)
@@ -486,7 +512,7 @@ def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = Fal
 
 
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
-                   backend: str = "cuda", keys_fp8: bool = False) -> dict:
+                   backend: str = "cuda", keys_fp8: bool = False, fp8_dot: bool = False) -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
 
     Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
@@ -517,6 +543,8 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     1024, or 2048 for rows of 16K scores or more), 4 warps (:func:`fused_warps`; an override of
     8 gave other indices on the H200 and is for sweeps only, which check every config's output).
     ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
+    ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; the launch
+    constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ (:func:`scores_chunk`).
     On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
     scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
     kernel (H200, session 15: 10.0 us for 64 rows of 8192 scores, where these took 20-23).
@@ -525,7 +553,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
     """
     block_n = 64
-    chunk = scores_chunk(B * S * N, sms, block_n, keys_fp8)
+    chunk = scores_chunk(B * S * N, sms, block_n, keys_fp8, fp8_dot)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
     # FP8 keys: the fused path measured slower (B=64 x 128K 205.6 against 187.4 us, B=128 x 32K
@@ -548,13 +576,13 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     cdiv(N, chunk) * topk]`` buffers, same strides); ``out`` is then scratch, valid only
     where visible."""
     B, S, HI, DI = q.shape
-    fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
+    fp8, fp8_dot = _fp8_keys(q, keys, config)
     N = entries(keys)
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out, None
-    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend(), fp8), **(config or {})}
+    cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend(), fp8, fp8_dot), **(config or {})}
     keys_fp8 = 0  # 1: FP8 keys read a byte per lane; 2: as 32-bit words (every key 4-byte aligned)
     if fp8:
         key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
@@ -579,8 +607,25 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     return out, Launch((B * S, -(-N // chunk)), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
                             CHUNK=chunk, UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
-                            E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page,
+                            E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page, FP8_DOT=int(fp8_dot),
                             num_stages=cfg["num_stages"], **fused))
+
+
+def _fp8_keys(q: torch.Tensor, keys: torch.Tensor, config: dict | None) -> tuple[bool, bool]:
+    """``indexer_config``'s ``(keys_fp8, fp8_dot)`` for these queries and keys (``config["FP8_DOT"]``,
+    if given, forces the dot)."""
+    fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
+    forced = (config or {}).get("FP8_DOT")
+    return fp8, fp8 and bool(fp8_dot_serves(q) if forced is None else forced)
+
+
+def fp8_dot_serves(q: torch.Tensor) -> bool:
+    """Whether FP8 keys are scored by an e4m3 tensor-core dot (``FP8_DOT``): bf16 queries of more
+    than 16 dims (an FP8 MMA's K is 32) on an NVIDIA GPU with FP8 MMA (sm_89 and later). Elsewhere
+    (fp32 queries, ROCm, the interpreter) both sides are decoded exactly and the dot is bf16 /
+    fp32: the same products, summed in fp32."""
+    return (q.dtype == torch.bfloat16 and next_pow2(q.shape[-1]) >= 32 and q.is_cuda and backend() == "cuda"
+            and not INTERPRET and torch.cuda.get_device_capability(q.device) >= (8, 9))
 
 
 def entries(keys: torch.Tensor) -> int:
@@ -691,7 +736,7 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     G = S if scores is not None else token_group(B, S, N, budget)
     if G == S:  # every decode step: one [B, S, N] scratch, no views
         cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
-                                keys.dtype == torch.uint8), **(config or {})}
+                                *_fp8_keys(q, keys, config)), **(config or {})}
         if cfg.get("TOPK_FUSED", 0):
             return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg),))
         scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
@@ -701,7 +746,7 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     for s0 in range(0, S, G):
         s1 = min(S, s0 + G)
         cfg = {**indexer_config(B, s1 - s0, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
-                                keys.dtype == torch.uint8), **(config or {})}
+                                *_fp8_keys(q, keys, config)), **(config or {})}
         # the scores kernel writes rows [0, s1 - s0) of the scratch; the top-k reads those rows and
         # writes the group's rows of out
         if cfg.get("TOPK_FUSED", 0):
