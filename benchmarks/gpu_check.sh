@@ -56,7 +56,8 @@
 #             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
 #   indexer-diag = the public indexer_topk at B = 64, 128 x 32K, 128K, bf16 and FP8 keys, split into its scores pass
 #             and its CUDA top-k (alone, on the op's own scores and on Gaussian rows), the top-k's stages and how many
-#             select passes its rows took (benchmarks/indexer_diag.py); indexer-sweep = the same + the scores pass by
+#             select passes its rows took, FP8 keys also with the decoded dot (the e4m3 dot's error, the picks both
+#             make) (benchmarks/indexer_diag.py); indexer-sweep = the same + the scores pass by
 #             CHUNK x stages x warps x BLOCK_N (each config's scores checked against the default's)
 #   gather-bw = how fast the H200 reads the attention's random 1 KB rows, and contiguous ones
 #             (benchmarks/gather_bandwidth.py: the achievable gather floor at B = 64, 128)

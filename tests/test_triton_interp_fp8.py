@@ -257,6 +257,35 @@ def test_fp8_indexer_bf16_queries_score_as_fp8_queries():
         assert picks[b, 0].unique().numel() == k and (chosen >= kth - 2e-3 * span).all(), (b, chosen, kth)
 
 
+def test_fp8_queries_round_as_the_reference_code_for_code():
+    """Each query value's e4m3 code, seen through the scores: key ``i`` is the unit vector ``e_i`` and
+    only head 0 weighs, so ``score[i] = relu(q_0[i])`` as quantised, one product (exact on any
+    tensor core) times two powers of two. Queries on rounding midpoints (ties to even), subnormal
+    codes and a head whose amax sits on the scale's boundary; bf16 queries (the e4m3 dot on a GPU)."""
+    HI, DI = 64, 128
+    keys = torch.empty(fp8.IndexerLayout(DI, 64).shape(1, DI), dtype=torch.uint8, device=DEVICE)
+    unit = torch.eye(DI, device=DEVICE)[None]
+    ref._write_entries_fp8(keys, fp8.rotate(unit), torch.arange(DI, dtype=torch.int32, device=DEVICE)[None])
+    torch.manual_seed(8)
+    # the writer rotates what it stores, and rotating twice is the identity: key i holds e_i exactly
+    q0 = torch.randn(DI, device=DEVICE).abs() * 3
+    # q0 / scale (scale 2^-2: amax 112): 448, midpoints 136 -> 128 and 152 -> 160 (ties to even), 8.5 -> 8,
+    # 9.5 -> 10, 0, subnormal codes 3 * 2^-9, and the subnormal midpoints 2.5 * 2^-9 -> 2, 3.5 * 2^-9 -> 4
+    q0[:10] = torch.tensor([448.0, 136.0, 152.0, 8.5, 9.5, 0.0, 3 * 2.0**-9, 2.5 * 2.0**-9, 3.5 * 2.0**-9, 2.0],
+                           device=DEVICE) / 4
+    q = torch.randn(1, 1, HI, DI, device=DEVICE)
+    q[0, 0, 0] = q0  # key i meets q0[i] (the op does not rotate its queries)
+    q = q.to(torch.bfloat16)
+    assert torch.equal(q[0, 0, 0, :10].float(), q0[:10])
+    w = torch.zeros(1, 1, HI, device=DEVICE)
+    w[0, 0, 0] = 1.0
+    vis = torch.full((1, 1), DI, dtype=torch.int32, device=DEVICE)
+    got = ix.indexer_scores(q, w, keys, vis)
+    want = ref.indexer_scores(fp8.simulate_queries(q), w, fp8.read_keys(keys), vis)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[0, 0, :10].tolist() == [112.0, 32.0, 40.0, 2.0, 2.5, 0.0, 3 * 2.0**-11, 2.0**-10, 2.0**-9, 0.5]
+
+
 def test_the_kernel_benchmarks_fp8_cases_run_through_the_kernels():
     # benchmarks/kernel_bench/cases.py builds the FP8 rows of bench_ops (gpu_check.sh ops-fp8): its pages
     # (window ring = one page of W entries, pools of PAGE_SIZE) must be what the kernels read; tiny widths
