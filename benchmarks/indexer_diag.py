@@ -1,6 +1,7 @@
 """Where the public ``indexer_topk``'s time goes at the bench cases: the whole op, its scores pass
-alone, the CUDA top-k alone on those scores (and on Gaussian rows of the same shape), the top-k's
-stages, and how many select passes its rows took.
+alone, the CUDA top-k alone on those scores (and on Gaussian rows of the same shape), the two back to
+back (what the op costs where it routes to the CUDA top-k), the top-k's stages, and how many select
+passes its rows took.
 
     PYTHONPATH=$PWD python3 benchmarks/indexer_diag.py [--batches 64 128] [--contexts 32768]
 
@@ -94,7 +95,7 @@ def programs(scores: torch.Tensor, chunk: int) -> int:
 
 def select_passes(scores: torch.Tensor, visible: torch.Tensor, k: int, out: torch.Tensor) -> dict:
     """{passes: rows}: how many select passes the CUDA top-k took on each row (what it reports when cut
-    short after the select)."""
+    short after the select; + 256 where the row's candidates stayed in registers, off the shared list)."""
     topk_rows.topk_rows(scores, visible, k, out=out, stop_after=2)
     return dict(sorted(collections.Counter(out[:, :, 0].flatten().tolist()).items()))
 
@@ -144,7 +145,10 @@ def main() -> int:
                 line("topk", lambda: topk_rows.topk_rows(scores, visible, k, out=out))
                 want = torch.ops.dsv4.indexer_topk(q, w, keys, visible, k)
                 print(f"{tag} what=topk_equals_op {bool(torch.equal(out, want))}", flush=True)
-                for stop, stage in ((1, "load"), (2, "+select"), (3, "+compaction")):
+                line("scores_then_cuda_topk", lambda: (scores_only(), topk_rows.topk_rows(scores, visible, k, out=out)))
+                listed = scores.shape[-1] > 16 * 512  # the CUDA top-k's shared candidate list
+                for stop, stage in ((1, "load"),) + (((4, "+list"),) if listed else ()) + ((2, "+select"),
+                                                                                        (3, "+compaction")):
                     line(f"topk_upto_{stage}", lambda stop=stop: topk_rows.topk_rows(scores, visible, k, out=out,
                                                                                        stop_after=stop))
                 print(f"{tag} what=select_passes {select_passes(scores, visible, k, out)}", flush=True)

@@ -94,11 +94,15 @@ def main() -> int:
             order_ok = bool((x.gather(1, out[:, 0].long()).diff(dim=1) <= 0).all())
             us = kernel_time([call_cuda], dev).us
             print(f"topk cuda rows={rows} n={n} us={us:.1f} picks_ok={ok} descending={order_ok}", flush=True)
-            for stop, stage in ((1, "load"), (2, "+select"), (3, "+compaction")):
-                def call_stop(out=out, vis=vis, stop=stop):
-                    topk_rows.topk_rows(x[:, None], vis, args.topk, out=out, stop_after=stop)
-                us = kernel_time([call_stop], dev).us
-                print(f"topk cuda rows={rows} n={n} upto={stage} us={us:.1f}", flush=True)
+            listed = n > 16 * 512  # rows of more than 16 scores a thread put their candidates in a shared list
+            stages = ((1, "load"),) + (((4, "+list"),) if listed else ()) + ((2, "+select"), (3, "+compaction"))
+            for no_list in (0, topk_rows.DIAG_NO_LIST) if listed else (0,):
+                tag = " off_list" if no_list else ""
+                for stop, stage in stages + (((0, "whole"),) if no_list else ()):
+                    def call_stop(out=out, vis=vis, stop=stop + no_list):
+                        topk_rows.topk_rows(x[:, None], vis, args.topk, out=out, stop_after=stop)
+                    us = kernel_time([call_stop], dev).us
+                    print(f"topk cuda rows={rows} n={n}{tag} upto={stage} us={us:.1f}", flush=True)
     return 0
 
 

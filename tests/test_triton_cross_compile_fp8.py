@@ -111,6 +111,7 @@ def _worker(target_names):
                 entry["resources"] = _resources(compiled)
                 entry["shared"] = compiled.metadata.shared
                 entry["fp8_mma"] = "e4m3.e4m3" in compiled.asm.get("ptx", "")  # wgmma ... .f32.e4m3.e4m3
+                entry["e4m3_convert"] = "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm.get("ptx", "")
             except Exception as e:  # reported, the parent test fails with it
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
             results.append(entry)
@@ -143,11 +144,14 @@ def test_fp8_kernel_compiles(compiled, target, kernel):
 
 
 def test_fp8_indexer_scores_run_on_fp8_tensor_cores(compiled):
-    """sm_90: the scores over FP8 keys are e4m3 x e4m3 wgmma (no decode of keys or queries), and
-    only there: the fused path (FP8_DOT off, as on ROCm) keeps the bf16 dot."""
+    """sm_90: the scores over FP8 keys are e4m3 x e4m3 wgmma (no decode of keys or queries), with
+    the queries' codes from the hardware convert, and only there: the fused path (FP8_DOT off, as on
+    ROCm) keeps the bf16 dot and the integer encode."""
     assert compiled[("sm90", "fp8_indexer_scores")]["constexprs"]["FP8_DOT"] == 1
     assert compiled[("sm90", "fp8_indexer_scores")]["fp8_mma"]
+    assert compiled[("sm90", "fp8_indexer_scores")]["e4m3_convert"]
     assert not compiled[("sm90", "fp8_indexer_fused")]["fp8_mma"]
+    assert not compiled[("sm90", "fp8_indexer_fused")]["e4m3_convert"]
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

@@ -13,14 +13,18 @@
 // k-th best key cannot be under (most of a random row is below it).
 //
 // Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
-// [t * ITEMS, (t + 1) * ITEMS)); (2) select: the threshold key, narrowed 8 bits at a time from the
-// candidates' own key range (radix digits of the offset from the least candidate), stopping early
-// when the threshold's bin is taken whole; (3) compaction (one block prefix sum of two counts: the
-// entries above the threshold, then the first k_rem equal to it by index); (4) a bitonic sort of
-// the picks packed as key << 32 | ~index (descending: score, then lower index first), in registers,
-// shuffles and shared memory; (5) the indices out, -1 past the picks.
+// [t * ITEMS, (t + 1) * ITEMS)), and a floor under the k-th best; rows of more than 8192 scores then
+// put the candidates (entries at or above the floor) in a shared list (topk_rows_list_kernel);
+// (2) select: the threshold key, narrowed 8 bits at a time from the candidates' own key range (radix
+// digits of the offset from the least candidate), stopping early when the threshold's bin is taken
+// whole; (3) compaction (one block prefix sum of two counts: the entries above the threshold, then the
+// first k_rem equal to it by index); (4) a bitonic sort of the picks packed as key << 32 | ~index
+// (descending: score, then lower index first), in registers, shuffles and shared memory; (5) the
+// indices out, -1 past the picks.
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <atomic>
 
 namespace {
 
@@ -28,6 +32,8 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;            // 8-bit digits: at most four passes fix a 32-bit key
 constexpr int kMaxTopk = 2048;        // picks sorted in shared memory
+constexpr int kCandidates = 8192;     // the shared candidate list (random rows of 32768: ~3000)
+constexpr int kDiagNoList = 16;       // diagnostics (stop_after): every row reads its candidates from the row
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
   uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
@@ -121,31 +127,32 @@ __device__ __forceinline__ void sort_and_store(unsigned long long* picks, int* o
   }
 }
 
+// (4) + (5): sort the picks and write them out, one to four picks a thread
+__device__ __forceinline__ void sort_picks(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff, int topk,
+                                           int kpad) {
+  if (kpad <= kThreads) sort_and_store<1>(picks, out_row, so_k, k_eff, topk);
+  else if (kpad <= 2 * kThreads) sort_and_store<2>(picks, out_row, so_k, k_eff, topk);
+  else sort_and_store<4>(picks, out_row, so_k, k_eff, topk);
+}
+
+// One row's task: the CTA's row of scores, its output row, how much of it is live.
+struct RowTask {
+  const float* row;
+  int* out_row;
+  int vis, k_eff;
+  __device__ __forceinline__ RowTask(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
+                                     int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int S, int N, int topk) {
+    const int64_t b = blockIdx.x / S, s = blockIdx.x % S;
+    row = scores + b * ss_b + s * ss_s;
+    out_row = out + b * so_b + s * so_s;
+    vis = min(max(visible[b * sv_b + s * sv_s], 0), N);
+    k_eff = min(vis, topk);
+  }
+};
+
+// (1) the row: ITEMS consecutive entries a thread from `first`; dead entries (>= vis) are never read
 template <int ITEMS>
-__global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel(
-    const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
-    const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
-    int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
-    int S, int N, int topk, int kpad, int stop_after) {
-  // the select's histograms (one a warp), then the picks: the same bytes
-  __shared__ __align__(16) unsigned char scratch[kMaxTopk * sizeof(unsigned long long)];
-  static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
-  int* hist = reinterpret_cast<int*>(scratch);
-  unsigned long long* picks = reinterpret_cast<unsigned long long*>(scratch);
-  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
-  __shared__ int warp_sums[kWarps];
-  __shared__ int s_digit, s_above, s_count;
-
-  const int tid = threadIdx.x;
-  const int64_t b = blockIdx.x / S, s = blockIdx.x % S;
-  const float* row = scores + b * ss_b + s * ss_s;
-  int* out_row = out + b * so_b + s * so_s;
-  const int vis = min(max(visible[b * sv_b + s * sv_s], 0), N);
-  const int k_eff = min(vis, topk);
-
-  // (1) the row: ITEMS consecutive entries a thread; dead entries (>= vis) are never read
-  const int first = tid * ITEMS;
-  uint32_t key[ITEMS];
+__device__ __forceinline__ void load_row(const float* row, int first, int vis, uint32_t (&key)[ITEMS]) {
   if ((ITEMS % 4) == 0 && first + ITEMS <= vis && (reinterpret_cast<uintptr_t>(row + first) & 15) == 0) {
 #pragma unroll
     for (int i = 0; i < ITEMS; i += 4) {
@@ -159,88 +166,163 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) key[i] = first + i < vis ? ordered_key(__ldg(row + first + i)) : 0u;
   }
+}
 
+// The floor and the candidates' key range [lo_key, hi_key]. Entries below the floor are never
+// candidates: when k_eff <= the threads holding live entries, the smallest of those threads' maxima is
+// <= the k-th best key (at least that many entries, one a thread, are >= it). Dropping them leaves the
+// threshold, and every entry >= it, as they were, and spares the select the bulk of the row (random
+// scores crowd into a few bins). Else there is no floor (0), and lo_key is the row's least.
+template <int ITEMS>
+__device__ __forceinline__ void find_floor(const uint32_t (&key)[ITEMS], int first, int vis, int k_eff,
+                                           uint32_t* warp_min, uint32_t* warp_max, int* warp_sums,
+                                           uint32_t& floor_key, uint32_t& lo_key, uint32_t& hi_key) {
+  const int tid = threadIdx.x;
+  floor_key = 0;
+  lo_key = 0xFFFFFFFFu;
+  hi_key = 0;
+  uint32_t my_max = 0;
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (first + i < vis) {
+      my_max = max(my_max, key[i]);
+      any = true;
+    }
+  }
+  // over threads with live entries: the min of their maxima, the max; their count
+  uint32_t m = any ? my_max : 0xFFFFFFFFu, hi = my_max;
+  int n_live = any ? 1 : 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    n_live += __shfl_xor_sync(0xffffffffu, n_live, o);
+  }
+  if ((tid & 31) == 0) {
+    warp_min[tid >> 5] = m;
+    warp_max[tid >> 5] = hi;
+    warp_sums[tid >> 5] = n_live;
+  }
+  __syncthreads();
+  int live_threads = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    lo_key = min(lo_key, warp_min[w]);
+    hi_key = max(hi_key, warp_max[w]);
+    live_threads += warp_sums[w];
+  }
+  __syncthreads();  // warp_min and warp_sums are reused below
+  if (k_eff <= live_threads) {
+    floor_key = lo_key;
+  } else {
+    uint32_t lo = 0xFFFFFFFFu;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+      if (first + i < vis) lo = min(lo, key[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    if ((tid & 31) == 0) warp_min[tid >> 5] = lo;
+    __syncthreads();
+    lo_key = 0xFFFFFFFFu;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) lo_key = min(lo_key, warp_min[w]);
+  }
+}
+
+// Select state, in shared memory so that every thread reads what one published.
+struct Published {
+  int digit, above, count;
+};
+
+// (2) select, one pass's end: the warps' histograms of the interval [lo, lo + span] in bins of
+// 2^shift keys counted from lo are complete (the caller's barrier). The threshold bin d*:
+// count(bins above d*) < k_rem <= count(bins from d* up); the interval narrows to it, k_rem drops by
+// the entries above it, and done says the whole bin is picked (nothing in it needs telling apart).
+// The histograms are cleared for the next pass.
+__device__ __forceinline__ void take_threshold_bin(int shift, uint32_t& lo, uint32_t& span, int& k_rem, bool& done,
+                                                   int* hist, int* warp_sums, Published& pub) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // threads 0-255 own bin 255 - t, so a prefix sum in thread order counts the entries in the bins above
+  int own = 0, incl = 0;
+  if (tid < kBins) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) own += hist[w * kBins + (kBins - 1 - tid)];
+    incl = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+  }
+  __syncthreads();  // (b) the bin warps' totals; every histogram read
+  for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;  // the next pass's
+  if (tid < kBins) {
+    int above = incl - own;
+    for (int w = 0; w < warp; ++w) above += warp_sums[w];
+    if (above < k_rem && above + own >= k_rem) {
+      pub.digit = kBins - 1 - tid;
+      pub.above = above;
+      pub.count = own;
+    }
+  }
+  __syncthreads();  // (c) the threshold bin published, the histograms cleared
+  k_rem -= pub.above;
+  done = k_rem == pub.count;
+  lo += uint32_t(pub.digit) << shift;
+  span = min(span - (uint32_t(pub.digit) << shift), (1u << shift) - 1u);
+}
+
+// The select's interval starts as [lo_key, hi_key], where every candidate lies, and each pass splits
+// it into at most 256 bins of 2^shift keys counted from lo (a radix of the offset key - lo, not of the
+// key: bins aligned to lo spread the candidates over the whole histogram, where digits of the key itself
+// put a row that crosses a power of two, e.g. scores from 0.4 to 3.9, into a few bins and the warps'
+// atomics onto a few addresses).
+__device__ __forceinline__ int pass_shift(uint32_t span) { return max(32 - __clz(span) - 8, 0); }  // span >> shift <= 255
+
+__device__ __forceinline__ void clear_histograms(int* hist) {
+  for (int i = threadIdx.x; i < kWarps * kBins; i += kThreads) hist[i] = 0;
+  __syncthreads();
+}
+
+// Rows of at most 16 scores a thread (8192: V4 at 32K context): the candidates stay in registers.
+template <int ITEMS>
+__global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel(
+    const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
+    const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
+    int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
+    int S, int N, int topk, int kpad, int stop_after) {
+  // the select's histograms (one a warp), then the picks: the same bytes
+  __shared__ __align__(16) unsigned char scratch[kMaxTopk * sizeof(unsigned long long)];
+  static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
+  int* hist = reinterpret_cast<int*>(scratch);
+  unsigned long long* picks = reinterpret_cast<unsigned long long*>(scratch);
+  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
+  __shared__ int warp_sums[kWarps];
+  __shared__ Published pub;
+
+  const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
+  const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
+  uint32_t key[ITEMS];
+  load_row(task.row, first, vis, key);
   if (stop_after == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
-    if (tid == 0) out_row[0] = int(key[0]);
+    if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
     return;
   }
+  uint32_t floor_key, lo_key, hi_key;
+  find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_sums, floor_key, lo_key, hi_key);
 
-  // (2) radix select: prefix = the threshold's known high bits (mask known); k_rem = picks
-  // still needed from the entries whose high bits equal prefix.
-  // Entries below `floor` are never candidates: when k_eff <= the threads holding live entries,
-  // the smallest of those threads' maxima is <= the k-th best key (at least that many entries,
-  // one a thread, are >= it). Dropping them leaves the threshold, and every entry >= it, as they
-  // were, and spares the histograms the bulk of the row (random scores crowd into a few bins).
-  uint32_t floor_key = 0, lo_key = 0xFFFFFFFFu, hi_key = 0;
-  {
-    uint32_t my_max = 0;
-    bool any = false;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (first + i < vis) {
-        my_max = max(my_max, key[i]);
-        any = true;
-      }
-    }
-    // over threads with live entries: the min of their maxima, the max; their count
-    uint32_t m = any ? my_max : 0xFFFFFFFFu, hi = my_max;
-    int n_live = any ? 1 : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      m = min(m, __shfl_xor_sync(0xffffffffu, m, o));
-      hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-      n_live += __shfl_xor_sync(0xffffffffu, n_live, o);
-    }
-    if ((tid & 31) == 0) {
-      warp_min[tid >> 5] = m;
-      warp_max[tid >> 5] = hi;
-      warp_sums[tid >> 5] = n_live;
-    }
-    __syncthreads();
-    int live_threads = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      lo_key = min(lo_key, warp_min[w]);
-      hi_key = max(hi_key, warp_max[w]);
-      live_threads += warp_sums[w];
-    }
-    __syncthreads();  // warp_min and warp_sums are reused below
-    if (k_eff <= live_threads) {
-      floor_key = lo_key;
-    } else {  // no floor (k_eff > the threads with live entries): the candidates' least is the row's
-      uint32_t lo = 0xFFFFFFFFu;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i)
-        if (first + i < vis) lo = min(lo, key[i]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-      if ((tid & 31) == 0) warp_min[tid >> 5] = lo;
-      __syncthreads();
-      lo_key = 0xFFFFFFFFu;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) lo_key = min(lo_key, warp_min[w]);
-    }
-  }
-
-  // (2) select: the threshold key, narrowed to an interval [lo, lo + span] of keys that holds it.
-  // It starts as [lo_key, hi_key], where every candidate lies, and each pass splits it into at
-  // most 256 bins of 2^shift keys counted from lo (a radix of the offset key - lo, not of the key:
-  // bins aligned to lo spread the candidates over the whole histogram, where digits of the key
-  // itself put a row that crosses a power of two, e.g. scores from 0.4 to 3.9, into a few bins and
-  // the warps' atomics onto a few addresses). k_rem = picks still needed from the interval.
+  // (2) select: k_rem = picks still needed from the interval [lo, lo + span]
   uint32_t lo = lo_key, span = hi_key - lo_key;
   int k_rem = k_eff;
   bool done = k_eff == 0;
-  int* my_hist = hist + (tid >> 5) * kBins;  // this warp's own histogram: no contention between warps
-  const int lane = tid & 31, warp = tid >> 5;
+  int* my_hist = hist + (threadIdx.x >> 5) * kBins;  // this warp's own histogram: no contention between warps
   int passes = 0;  // reported by the diagnostics
-  if (span != 0 && !done) {
-    for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;
-    __syncthreads();
-  }
+  if (span != 0 && !done) clear_histograms(hist);
 #pragma unroll 1
   while (span != 0 && !done) {
-    const int shift = max(32 - __clz(span) - 8, 0);  // span >> shift <= 255
+    const int shift = pass_shift(span);
     ++passes;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -248,43 +330,13 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
       if (first + i < vis && key[i] >= floor_key && off <= span) atomicAdd(&my_hist[off >> shift], 1);
     }
     __syncthreads();  // (a) the histograms are complete
-    // the threshold bin d*: count(bins above d*) < k_rem <= count(bins from d* up). Threads
-    // 0-255 own bin 255 - t, so a prefix sum in thread order counts the entries in the bins above.
-    int own = 0, incl = 0;
-    if (tid < kBins) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) own += hist[w * kBins + (kBins - 1 - tid)];
-      incl = own;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      if (lane == 31) warp_sums[warp] = incl;
-    }
-    __syncthreads();  // (b) the bin warps' totals; every histogram read
-    for (int i = tid; i < kWarps * kBins; i += kThreads) hist[i] = 0;  // the next pass's
-    if (tid < kBins) {
-      int above = incl - own;
-      for (int w = 0; w < warp; ++w) above += warp_sums[w];
-      if (above < k_rem && above + own >= k_rem) {
-        s_digit = kBins - 1 - tid;
-        s_above = above;
-        s_count = own;
-      }
-    }
-    __syncthreads();  // (c) the threshold bin published, the histograms cleared
-    k_rem -= s_above;
-    done = k_rem == s_count;  // the whole bin is picked: nothing in it needs telling apart
-    lo += uint32_t(s_digit) << shift;
-    span = min(span - (uint32_t(s_digit) << shift), (1u << shift) - 1u);
+    take_threshold_bin(shift, lo, span, k_rem, done, hist, warp_sums, pub);
   }
   // the picks: every candidate above lo + span, and k_rem of those in [lo, lo + span] (all of them
   // when done; else the interval is one key, and ties go to the lower index)
   const uint32_t hi = lo + span;
-
   if (stop_after == 2) {  // diagnostics: loaded and selected; how many passes the select took
-    if (tid == 0) out_row[0] = passes;
+    if (threadIdx.x == 0) task.out_row[0] = passes;
     return;
   }
 
@@ -292,23 +344,18 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   // [lo, hi] (all of them when done). One scan counts both (above in the low half-word, in the
   // interval in the high: each total <= N <= 32768); the picks' order is the sort's business, so
   // above go to [0, n_above) and the interval's after them.
-  // this thread's entries of each kind, a bit each (two words: ITEMS <= 64)
-  unsigned above_bits[(ITEMS + 31) / 32] = {}, eq_bits[(ITEMS + 31) / 32] = {};
+  // this thread's entries of each kind, a bit each
+  unsigned above_bits = 0, eq_bits = 0;
+  static_assert(ITEMS <= 32, "a bit an entry in one word");
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const bool live = first + i < vis && key[i] >= floor_key;
-    if (live && key[i] > hi) above_bits[i / 32] |= 1u << (i % 32);
-    if (live && key[i] >= lo && key[i] <= hi) eq_bits[i / 32] |= 1u << (i % 32);
-  }
-  unsigned n_above = 0, n_eq = 0;
-#pragma unroll
-  for (int w = 0; w < (ITEMS + 31) / 32; ++w) {
-    n_above += __popc(above_bits[w]);
-    n_eq += __popc(eq_bits[w]);
+    if (live && key[i] > hi) above_bits |= 1u << i;
+    if (live && key[i] >= lo && key[i] <= hi) eq_bits |= 1u << i;
   }
   unsigned packed_total;
-  const unsigned packed_before = block_exclusive_scan(n_above | n_eq << 16, reinterpret_cast<unsigned*>(warp_sums),
-                                                      &packed_total);
+  const unsigned packed_before = block_exclusive_scan(unsigned(__popc(above_bits)) | unsigned(__popc(eq_bits)) << 16,
+                                                      reinterpret_cast<unsigned*>(warp_sums), &packed_total);
   int above_slot = int(packed_before & 0xFFFFu);
   int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);  // the equal ones after every above
   const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
@@ -317,31 +364,197 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const unsigned long long pick = (static_cast<unsigned long long>(key[i]) << 32) | uint32_t(~uint32_t(first + i));
-    if ((above_bits[i / 32] >> (i % 32)) & 1u) picks[above_slot++] = pick;
-    if ((eq_bits[i / 32] >> (i % 32)) & 1u) {
+    if ((above_bits >> i) & 1u) picks[above_slot++] = pick;
+    if ((eq_bits >> i) & 1u) {
       if (eq_slot < eq_end) picks[eq_slot] = pick;
       ++eq_slot;
     }
   }
   __syncthreads();
-
   if (stop_after == 3) {  // diagnostics: loaded, selected, compacted
-    if (tid == 0) out_row[0] = int(picks[0]);
+    if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
     return;
   }
-
   // (4) + (5): sort the picks and write them out
-  if (kpad <= kThreads) sort_and_store<1>(picks, out_row, so_k, k_eff, topk);
-  else if (kpad <= 2 * kThreads) sort_and_store<2>(picks, out_row, so_k, k_eff, topk);
-  else sort_and_store<4>(picks, out_row, so_k, k_eff, topk);
+  sort_picks(picks, task.out_row, so_k, k_eff, topk, kpad);
+}
+
+// Rows of more than 16 scores a thread (up to 32768: V4 at 128K context). With 64 registers of the
+// row a thread, every select pass and the compaction walked all of them for the ~3000 candidates of a
+// random row (11 of the kernel's 25 us at 32768 scores, H200, session 15), and the registers spilled.
+// So the candidates go to a shared list in index order (up to kCandidates), which the passes and the
+// compaction read, a few entries a thread; a row with more candidates (rising scores, where thread 0's
+// maximum is the floor) reads them from the row again (in L2: the scores pass wrote it just before).
+// Either way the row's registers die after the list.
+template <int ITEMS>
+struct ListSmem {
+  static constexpr size_t kScratch = kMaxTopk * sizeof(unsigned long long);  // histograms, then the picks
+  static constexpr size_t kKeys = kCandidates * sizeof(uint32_t);
+  static constexpr size_t kBytes = kScratch + kKeys + kCandidates * sizeof(uint16_t);
+  static_assert(kWarps * kBins * sizeof(int) <= kScratch, "the histograms fit the picks' bytes");
+  static_assert(ITEMS * kThreads <= 65536, "a list index fits 16 bits");
+};
+
+// (2) select over for_each(f), which calls f(key) on this thread's candidates; returns the passes.
+template <class ForEach>
+__device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_t& lo, uint32_t& span, int& k_rem,
+                                                bool& done, int* hist, int* warp_sums, Published& pub) {
+  int* my_hist = hist + (threadIdx.x >> 5) * kBins;
+  int passes = 0;
+  if (span != 0 && !done) clear_histograms(hist);
+#pragma unroll 1
+  while (span != 0 && !done) {
+    const int shift = pass_shift(span);
+    ++passes;
+    const uint32_t lo_now = lo, span_now = span;
+    for_each([&](uint32_t key, int) {
+      const uint32_t off = key - lo_now;  // keys below lo wrap past span
+      if (off <= span_now) atomicAdd(&my_hist[off >> shift], 1);
+    });
+    __syncthreads();  // (a) the histograms are complete
+    take_threshold_bin(shift, lo, span, k_rem, done, hist, warp_sums, pub);
+  }
+  return passes;
+}
+
+// (3) compaction over for_each(f), which calls f(key, index) on this thread's candidates in index
+// order (and the threads' in thread order): as topk_rows_kernel's, counting twice instead of bits.
+template <class ForEach>
+__device__ __forceinline__ void compact_picks(const ForEach& for_each, uint32_t lo, uint32_t hi, int k_rem,
+                                              unsigned long long* picks, int* warp_sums) {
+  unsigned n_above = 0, n_eq = 0;
+  for_each([&](uint32_t key, int) {
+    n_above += key > hi;
+    n_eq += key >= lo && key <= hi;
+  });
+  unsigned packed_total;
+  const unsigned packed_before = block_exclusive_scan(n_above | n_eq << 16, reinterpret_cast<unsigned*>(warp_sums),
+                                                      &packed_total);
+  int above_slot = int(packed_before & 0xFFFFu);
+  int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);
+  const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
+  for_each([&](uint32_t key, int index) {
+    const unsigned long long pick = (static_cast<unsigned long long>(key) << 32) | uint32_t(~uint32_t(index));
+    if (key > hi) picks[above_slot++] = pick;
+    if (key >= lo && key <= hi) {
+      if (eq_slot < eq_end) picks[eq_slot] = pick;
+      ++eq_slot;
+    }
+  });
+  __syncthreads();
+}
+
+template <int ITEMS>
+__global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
+    const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
+    const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
+    int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
+    int S, int N, int topk, int kpad, int stop_after) {
+  using Layout = ListSmem<ITEMS>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  int* hist = reinterpret_cast<int*>(smem);
+  unsigned long long* picks = reinterpret_cast<unsigned long long*>(smem);
+  uint32_t* list_key = reinterpret_cast<uint32_t*>(smem + Layout::kScratch);
+  uint16_t* list_index = reinterpret_cast<uint16_t*>(smem + Layout::kScratch + Layout::kKeys);
+  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
+  __shared__ int warp_sums[kWarps];
+  __shared__ Published pub;
+
+  const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
+  const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
+  const int stage = stop_after & 15;
+  uint32_t floor_key, lo_key, hi_key;
+  int n_list, list_before;
+  bool listed;
+  {
+    uint32_t key[ITEMS];
+    load_row(task.row, first, vis, key);
+    if (stage == 1) {  // diagnostics: the row loaded, nothing else
+      if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
+      return;
+    }
+    find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_sums, floor_key, lo_key, hi_key);
+    int n_mine = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) n_mine += first + i < vis && key[i] >= floor_key;
+    list_before = block_exclusive_scan(n_mine, warp_sums, &n_list);
+    listed = n_list <= kCandidates && !(stop_after & kDiagNoList);
+    if (listed) {
+      int slot = list_before;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (first + i < vis && key[i] >= floor_key) {
+          list_key[slot] = key[i];
+          list_index[slot] = uint16_t(first + i);
+          ++slot;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (stage == 4) {  // diagnostics: loaded, the floor, the list written; the candidates' count
+    if (threadIdx.x == 0) task.out_row[0] = n_list;
+    return;
+  }
+  // this thread's share of the list: a contiguous range, so that threads in order visit it in order
+  const int per_thread = (n_list + kThreads - 1) / kThreads;
+  const int list_lo = min(int(threadIdx.x) * per_thread, n_list), list_hi = min(list_lo + per_thread, n_list);
+  const auto in_list = [&](auto&& f) {
+    for (int c = list_lo; c < list_hi; ++c) f(list_key[c], int(list_index[c]));
+  };
+  const auto in_row = [&](auto&& f) {
+#pragma unroll 4  // 8 spilled 48 B
+    for (int i = 0; i < ITEMS; ++i) {
+      if (first + i < vis) {
+        const uint32_t k = ordered_key(__ldg(task.row + first + i));
+        if (k >= floor_key) f(k, first + i);
+      }
+    }
+  };
+
+  uint32_t lo = lo_key, span = hi_key - lo_key;
+  int k_rem = k_eff;
+  bool done = k_eff == 0;
+  const int passes = listed ? select_threshold(in_list, lo, span, k_rem, done, hist, warp_sums, pub)
+                            : select_threshold(in_row, lo, span, k_rem, done, hist, warp_sums, pub);
+  const uint32_t hi = lo + span;
+  if (stage == 2) {  // diagnostics: loaded and selected; the select's passes, + 256 off the list
+    if (threadIdx.x == 0) task.out_row[0] = passes + (listed ? 0 : 256);
+    return;
+  }
+  if (listed) compact_picks(in_list, lo, hi, k_rem, picks, warp_sums);
+  else compact_picks(in_row, lo, hi, k_rem, picks, warp_sums);
+  if (stage == 3) {  // diagnostics: loaded, selected, compacted
+    if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
+    return;
+  }
+  sort_picks(picks, task.out_row, so_k, k_eff, topk, kpad);
 }
 
 template <int ITEMS>
 cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
                    int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
                    int topk, int kpad, int stop_after, cudaStream_t stream) {
-  topk_rows_kernel<ITEMS><<<B * S, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
-                                                          so_k, S, N, topk, kpad, stop_after);
+  if constexpr (ITEMS <= 16) {
+    topk_rows_kernel<ITEMS><<<B * S, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
+                                                            so_k, S, N, topk, kpad, stop_after);
+  } else {
+    // the list's shared memory is past the 48 KB a launch gets by default: opt in, once a device (eager
+    // calls come before any CUDA-graph capture)
+    constexpr int bytes = int(ListSmem<ITEMS>::kBytes);
+    static std::atomic<uint64_t> opted{0};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const uint64_t bit = 1ull << (device & 63);
+    if (!(opted.load() & bit)) {
+      err = cudaFuncSetAttribute(topk_rows_list_kernel<ITEMS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      if (err != cudaSuccess) return err;
+      opted.fetch_or(bit);
+    }
+    topk_rows_list_kernel<ITEMS><<<B * S, kThreads, bytes, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out,
+                                                                     so_b, so_s, so_k, S, N, topk, kpad, stop_after);
+  }
   return cudaGetLastError();
 }
 
@@ -354,8 +567,9 @@ int dsv4_topk_rows_max_n() { return 64 * kThreads; }
 int dsv4_topk_rows_max_topk() { return kMaxTopk; }
 
 // 0 on success, else a cudaError_t (or -1: arguments outside what the kernel serves).
-// stop_after (diagnostics; 0 = the whole kernel): 1 after the load, 2 after the select, 3 after
-// the compaction -- for timing the stages by difference; out is then wrong.
+// stop_after (diagnostics; 0 = the whole kernel): 1 after the load, 4 after the floor and the
+// candidate list (rows of more than 8192 scores), 2 after the select, 3 after the compaction -- for
+// timing the stages by difference; out is then wrong. + 16 (kDiagNoList): no row takes the list.
 int dsv4_topk_rows_diag(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
                         int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
                         int topk, void* stream, int stop_after) {

@@ -4,8 +4,7 @@
 an NVIDIA GPU whose top-k library builds (``lowering/cuda/topk_rows.py``: nvcc on first use),
 rows of at most 32768 scores (128K tokens of context at ratio 4), ``topk`` at most 2048, and the
 query tokens scored in one group (every decode step; a prefill chunk whose scores fit
-``SCORES_BUDGET_BYTES``), except a few rows of more than 16384 scores (:func:`serves`: the Triton
-split top-k measured faster there). Everything else -- ROCm, no nvcc, longer rows -- keeps the
+``SCORES_BUDGET_BYTES``; :func:`serves`). Everything else -- ROCm, no nvcc, longer rows -- keeps the
 Triton top-k, which has the same contract (descending score, ties to the lower index, -1 past the
 picks).
 
@@ -40,33 +39,23 @@ def _limits(index: int) -> tuple[int, int]:
     return topk_rows.max_entries(index), topk_rows.max_topk(index)
 
 
-# Rows longer than this go to the CUDA kernel's 64-scores-a-thread build (it spills a little, and its
-# loads are slow: 6.3 us for a 32768-score row). Few such rows keep the Triton split top-k, which
-# spreads them over the GPU: 1 x 32768 scores measured 28.8 us for the whole indexer_topk that way
-# (session 11) against 31.6 with the CUDA kernel (session 14). Many rows take the CUDA kernel
-# (64 x 32768: 161.8 against the fused Triton path's 187.6).
-LONG_ROW = 16384
-SPLIT_SEGMENT = 4096  # the split top-k's segment for such rows (lowering/triton/indexer.py topk_segment)
-
-
-def serves(rows: int, N: int, topk: int, max_n: int, max_k: int, sms: int) -> bool:
+def serves(rows: int, N: int, topk: int, max_n: int, max_k: int) -> bool:
     """The rule (pure, tested on CPU): ``rows`` rows of ``N`` scores go to the CUDA top-k when it
-    serves their size (``max_n``, ``max_k``: the library's limits, 0 when it did not build), unless
-    they are longer than ``LONG_ROW`` and few enough that the Triton split's segments fit one wave."""
-    if not (rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k):
-        return False
-    return not (N > LONG_ROW and rows * -(-N // SPLIT_SEGMENT) <= sms)
+    serves their size (``max_n``, ``max_k``: the library's limits, 0 when it did not build).
+    Until session 16 a few rows of more than 16384 scores kept the Triton split top-k, which spreads
+    them over the GPU (1 x 32768 scores: the whole op 26.4-30.2 us). Since the kernel's candidate list
+    (session 17) the CUDA top-k takes one such row in ~17 us, and the op 21.2-21.8 us (H200,
+    ``benchmarks/indexer_diag.py``)."""
+    return rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
 
 
 def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
     """Static: a function of the device and the scores' shape ``[B, S, N]``, never of values."""
     if not (_enabled and device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()):
         return False  # (fake CUDA tensors on a machine without a GPU: the Triton path, as everywhere)
-    from ..lowering.triton._launch import sm_count
-
     B, S, N = scores_shape
     max_n, max_k = _limits(device.index if device.index is not None else torch.cuda.current_device())
-    return serves(B * S, N, topk, max_n, max_k, sm_count(device))
+    return serves(B * S, N, topk, max_n, max_k)
 
 
 def disabled():

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "topk_rows.cu"
+DIAG_NO_LIST = 16  # stop_after + this: no row keeps its candidates in the shared list (kDiagNoList)
 _reason: dict[str, str] = {}
 
 
@@ -120,9 +121,12 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
     """``[B, S, topk] int32``: per row of ``scores [B, S, N]`` (fp32, last dim contiguous) the
     ``min(topk, visible)`` best of its first ``visible [B, S]`` entries (clamped to ``[0, N]``),
     by score descending then index ascending, then -1. Launched on the current stream.
-    ``stop_after`` (diagnostics, ``benchmarks/topk_diag.py``): 1, 2, 3 end the kernel after its
-    load, select, compaction (``out`` is then wrong; after the select ``out[b, s, 0]`` is the
-    number of passes the select took)."""
+    ``stop_after`` (diagnostics, ``benchmarks/topk_diag.py``): 1, 4, 2, 3 end the kernel after its
+    load, its candidate list (rows of more than 8192 scores: ``out[b, s, 0]`` is the candidates'
+    count), select, compaction (``out`` is then wrong; after the select ``out[b, s, 0]`` is the
+    number of passes the select took, + 256 where the row's candidates overflowed the shared list
+    and were read from the row); + ``DIAG_NO_LIST``: no row takes the list (0 + it: the whole
+    kernel so, with right picks)."""
     B, S, N = scores.shape
     index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
     lib = library(index)

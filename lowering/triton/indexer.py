@@ -112,12 +112,14 @@ def indexer_scores_kernel(
             #           which joins the head's weight (relu and the head sum commute with it, exactly)
             q_f = q_t.to(tl.float32)
             q_exp = scale_exponent(tl.max(tl.abs(q_f), 0))
-            q_code = e4m3_encode(q_f * pow2(254 - q_exp)[None, :]).to(tl.uint8)
+            q_scaled = q_f * pow2(254 - q_exp)[None, :]  # |q_scaled| <= 448: no saturation
             w = w * pow2(q_exp)
-            if FP8_DOT:
-                q_t = q_code.to(tl.float8e4nv, bitcast=True)
+            if FP8_DOT:  # sm_89+: the hardware's round-to-nearest-even convert (cvt.rn.satfinite.e4m3x2.f32,
+                #          one instruction for two values), the integer encode's codes bit for bit; its
+                #          ~30 integer operations a value were most of a batch-1 program's time (session 16)
+                q_t = q_scaled.to(tl.float8e4nv)
             else:
-                q_t = e4m3_to(q_code, q_t.dtype, E4M3_HW)
+                q_t = e4m3_to(e4m3_encode(q_scaled).to(tl.uint8), q_t.dtype, E4M3_HW)
         key_row0 = k_ptr + b * sk_b
         for start in range(lo, live_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)

@@ -46,6 +46,8 @@ def rows(B, S, N, kind, seed=0):
     elif kind == "inf":
         x[..., ::5] = float("-inf")
         x[..., 7::11] = float("inf")
+    elif kind == "rising":  # ascending scores: thread 0's maximum is the floor, nearly all of a row a candidate
+        x = torch.randint(-50, 50, (B, S, N), generator=g, device="cuda").float().sort(-1).values
     return x
 
 
@@ -66,7 +68,7 @@ def test_topk_rows_cuda_fake_matches_real(fake_check):
                torch.full((2, 1), 8192, device="cuda", dtype=I32), 512)
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf", "rising"])
 @pytest.mark.parametrize("N", [1, 100, 2048, 2049, 4096, 8192, 8258, 16384, 16387, 32768])
 def test_topk_rows_cuda_matches_reference(N, kind):
     """Every register-row size (4 .. 64 scores a thread, and the sizes just past each), random
@@ -78,6 +80,26 @@ def test_topk_rows_cuda_matches_reference(N, kind):
     visible[0, 0], visible[0, 1], visible[1, 0] = N, 0, min(N, 511)  # whole row, none, fewer than topk
     got = lib.topk_rows(x, visible, topk)
     torch.testing.assert_close(got, stable_topk(x, visible, topk), rtol=0, atol=0)
+
+
+def test_rows_whose_candidates_overflow_the_shared_list_read_them_from_the_row():
+    """Rows of more than 8192 scores put up to 8192 candidates (entries at or above the floor) in a
+    shared list, which the select and the compaction then read; a row with more reads them from the
+    row again. Random rows of 32768 scores (~3000 candidates) take the list, rising rows (all but
+    thread 0's entries) the row; the select's diagnostic reports which (passes, + 256 off the list),
+    and both pick as the stable sort, as does the diagnostic that sends every row off the list."""
+    N = 32768
+    x = torch.cat([rows(1, 2, N, "randn", seed=3), rows(1, 2, N, "rising", seed=4)])
+    visible = torch.full((2, 2), N, device="cuda", dtype=I32)
+    visible[1, 1] = 9000  # just past the list's capacity in registers
+    report = lib.topk_rows(x, visible, 512, stop_after=2)[..., 0]
+    assert ((report[0] > 0) & (report[0] < 256)).all(), report
+    assert (report[1] > 256).all(), report
+    want = stable_topk(x, visible, 512)
+    torch.testing.assert_close(lib.topk_rows(x, visible, 512), want, rtol=0, atol=0)
+    off_list = lib.DIAG_NO_LIST
+    assert (lib.topk_rows(x, visible, 512, stop_after=2 + off_list)[..., 0] > 256).all()
+    torch.testing.assert_close(lib.topk_rows(x, visible, 512, stop_after=off_list), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("topk", [1, 2, 100, 512, 1024, 2048])
@@ -159,15 +181,15 @@ def test_compiled_and_graphed_equal_eager():
 
 
 def test_rows_it_does_not_serve_keep_the_triton_topk():
-    """Rows past the CUDA kernel's 32768 scores, and one row of 32768 (the split top-k measured
-    faster there: ``topk_cuda.serves``), keep the Triton top-k; 64 such rows take the CUDA one."""
+    """Rows past the CUDA kernel's 32768 scores keep the Triton top-k; one row of 20000 or 32768 scores
+    takes the CUDA one (since session 17: ``topk_cuda.serves``), and both equal the stable sort."""
     assert not topk_cuda.applies((1, 1, 32769), torch.device("cuda"), 512)
-    assert not topk_cuda.applies((1, 1, 32768), torch.device("cuda"), 512)
+    assert topk_cuda.applies((1, 1, 32768), torch.device("cuda"), 512)
     assert topk_cuda.applies((64, 1, 32768), torch.device("cuda"), 512)
-    for N in (32800, 20000):
+    for N, routed in ((32800, False), (20000, True), (32768, True)):
         q, w, keys, visible = indexer_inputs(1, N, seed=6)
         before = topk_cuda.stats["launches"]
         got = dsv4_ops.indexer_topk(q, w, keys, visible, 512)
-        assert topk_cuda.stats["launches"] == before
+        assert topk_cuda.stats["launches"] == before + int(routed), N
         torch.testing.assert_close(got, stable_topk(ix.indexer_scores(q, w, keys, visible), visible, 512),
                                    rtol=0, atol=0)
