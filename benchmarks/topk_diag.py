@@ -96,10 +96,11 @@ def main() -> int:
             print(f"topk cuda rows={rows} n={n} us={us:.1f} picks_ok={ok} descending={order_ok}", flush=True)
             listed = n > 16 * 512  # rows of more than 16 scores a thread put their candidates in a shared list
             stages = ((1, "load"),) + (((4, "+list"),) if listed else ()) + ((2, "+select"), (3, "+compaction"))
-            for no_list in (0, topk_rows.DIAG_NO_LIST) if listed else (0,):
-                tag = " off_list" if no_list else ""
-                for stop, stage in stages + (((0, "whole"),) if no_list else ()):
-                    def call_stop(out=out, vis=vis, stop=stop + no_list):
+            variants = {"": 0, "off_list": topk_rows.DIAG_NO_LIST, "plain_loads": topk_rows.DIAG_NO_BULK}
+            for name, flags in variants.items() if listed else (("", 0),):
+                tag = f" {name}" if name else ""
+                for stop, stage in stages + (((0, "whole"),) if flags else ()):
+                    def call_stop(out=out, vis=vis, stop=stop + flags):
                         topk_rows.topk_rows(x[:, None], vis, args.topk, out=out, stop_after=stop)
                     us = kernel_time([call_stop], dev).us
                     print(f"topk cuda rows={rows} n={n}{tag} upto={stage} us={us:.1f}", flush=True)

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "topk_rows.cu"
-DIAG_NO_LIST = 16  # stop_after + this: no row keeps its candidates in the shared list (kDiagNoList)
+# diagnostics, added to stop_after (the kernel's kDiag* flags): no row keeps its candidates in the shared list;
+# rows of more than 8192 scores load by plain loads instead of bulk copies
+DIAG_NO_LIST, DIAG_NO_BULK = 16, 32
 _reason: dict[str, str] = {}
 
 
@@ -125,8 +127,8 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
     load, its candidate list (rows of more than 8192 scores: ``out[b, s, 0]`` is the candidates'
     count), select, compaction (``out`` is then wrong; after the select ``out[b, s, 0]`` is the
     number of passes the select took, + 256 where the row's candidates overflowed the shared list
-    and were read from the row); + ``DIAG_NO_LIST``: no row takes the list (0 + it: the whole
-    kernel so, with right picks)."""
+    and were read from the row); + ``DIAG_NO_LIST`` / ``DIAG_NO_BULK``: the same with no row on the
+    list / with plain loads instead of bulk copies (0 + them: the whole kernel so, with right picks)."""
     B, S, N = scores.shape
     index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
     lib = library(index)

@@ -102,6 +102,20 @@ def test_rows_whose_candidates_overflow_the_shared_list_read_them_from_the_row()
     torch.testing.assert_close(lib.topk_rows(x, visible, 512, stop_after=off_list), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("N", [8192, 16384, 32768])
+@pytest.mark.parametrize("kind", ["randn", "ties", "rising"])
+def test_every_path_of_the_kernel_picks_alike(N, kind):
+    """Aligned rows of more than 8192 scores load by bulk copies, others by plain loads; the
+    diagnostics' other paths (plain loads, every row off the list) give the same picks."""
+    x = rows(2, 2, N + 4, kind, seed=N)
+    visible = torch.tensor([[N, N - 3], [511, N // 2]], device="cuda", dtype=I32)
+    for view in (x[..., :N], x[..., 1:N + 1]):  # 16-byte aligned rows, and rows one float past
+        want = stable_topk(view, visible, 512)
+        for flags in (0, lib.DIAG_NO_BULK, lib.DIAG_NO_LIST, lib.DIAG_NO_BULK + lib.DIAG_NO_LIST):
+            torch.testing.assert_close(lib.topk_rows(view, visible, 512, stop_after=flags), want, rtol=0, atol=0,
+                                       msg=lambda m: f"flags {flags}: {m}")
+
+
 @pytest.mark.parametrize("topk", [1, 2, 100, 512, 1024, 2048])
 def test_topk_rows_cuda_edge_cases(topk):
     """Every output width the sort serves (one pick a thread up to four), ties throughout."""
