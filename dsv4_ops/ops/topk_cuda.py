@@ -43,9 +43,9 @@ def serves(rows: int, N: int, topk: int, max_n: int, max_k: int) -> bool:
     """The rule (pure, tested on CPU): ``rows`` rows of ``N`` scores go to the CUDA top-k when it
     serves their size (``max_n``, ``max_k``: the library's limits, 0 when it did not build).
     Until session 16 a few rows of more than 16384 scores kept the Triton split top-k, which spreads
-    them over the GPU (1 x 32768 scores: the whole op 26.4-30.2 us). Since the kernel's candidate list
-    (session 17) the CUDA top-k takes one such row in ~17 us, and the op 21.2-21.8 us (H200,
-    ``benchmarks/indexer_diag.py``)."""
+    them over the GPU (1 x 32768 scores: the whole op 28.7 us). Since session 17's list kernel the
+    CUDA top-k takes one such row in 14.4 us, and the op 20.4 us (H200; at 8 and 16 rows too:
+    BENCHMARKS.md, session 17)."""
     return rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
 
 
