@@ -52,11 +52,6 @@
 #             reference at B = 1, 64, 128 (benchmarks/gluon_fp8_attention_check.py; ~4-6 min)
 #   sweep-indexer-fused = the whole indexer_topk at 64, 128 rows x 8192, 32768 keys (32K, 128K context): unfused
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
-#   pdl     = the PDL pairs (lowering/pdl.py: scores -> CUDA top-k, split Gluon attention -> combine): their GPU
-#             tests and the paired kernels', then sparse_attention + indexer_topk paired vs unpaired
-#             (benchmarks/pdl_ab.py: B = 1, 64, 128 x 32K, 128K, bf16 and FP8 caches)
-#   inductor-pdl = the Generator's decode at batch 1 x 4K with Inductor's PDL for its own kernels off and on
-#             (TORCHINDUCTOR_ENABLE_PDL=0/1; our kernels keep their launches)
 #   topk-cuda = the CUDA top-k (csrc/kernels/topk_rows.cu, built by nvcc on first use): its GPU tests, then its time
 #             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
 #   indexer-diag = the public indexer_topk at B = 64, 128 x 32K, 128K, bf16 and FP8 keys, split into its scores pass
@@ -178,20 +173,6 @@ for what in "$@"; do
     sweep-topk-rows) # the top-k pass at 16, 64, 128 rows over 8192 scores (32K context): row kernel vs split
            python3 benchmarks/sweep_kernels.py --only topk --batches 16 64 128 --out "$OUT/sweep_topk_rows.json" 2>&1 \
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
-    pdl) # the PDL pairs (lowering/pdl.py): their GPU tests and those of the kernels they pair (model tests left
-         # out), then the cache readers paired vs unpaired in one process (benchmarks/pdl_ab.py; ~5 min)
-      { python3 -m pytest -q -p no:cacheprovider ${xdist:+-n 4} tests/ops/test_pdl_pairs_gpu.py \
-          tests/ops/test_topk_rows_cuda.py tests/ops/test_indexer_topk.py tests/test_topk_cuda_build.py \
-          tests/ops/test_sparse_attention_sm90.py tests/ops/test_sparse_attention_sm90_fp8.py -k "not model" 2>&1 \
-          | tail -15 | tee "$OUT/pdl_tests.log"
-        python3 benchmarks/pdl_ab.py --out "$OUT" 2>&1 | quiet | tee "$OUT/pdl_ab.log"; } || rc=1 ;;
-    inductor-pdl) # Inductor's own PDL for its generated kernels (torch._inductor.config.triton.enable_pdl, off by
-          # default): the Generator's CUDA-graphed decode at batch 1 x 4K without and with it
-      for pdl in 0 1; do
-        TORCHINDUCTOR_ENABLE_PDL=$pdl python3 -c "import torch._inductor.config as c; print('enable_pdl', getattr(c.triton, 'enable_pdl', 'absent'))"
-        TORCHINDUCTOR_ENABLE_PDL=$pdl python3 benchmarks/bench_model.py --batches 1 --contexts 4096 --compare-at --hf-points \
-          --out "$OUT/bench_model_b1_inductor_pdl$pdl.json" 2>&1 | quiet | grep -e "decode" -e "prefill"
-      done 2>&1 | tee "$OUT/inductor_pdl.log" || rc=1 ;;
     topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_rows_cuda.py 2>&1 | tail -5 \
            && python3 benchmarks/topk_diag.py --rows 1 64 128 --n 8192 32768; } 2>&1 | tee "$OUT/topk_cuda.log" || rc=1 ;;
     indexer-diag) python3 benchmarks/indexer_diag.py --batches 64 128 --contexts 32768 131072 2>&1 \
@@ -240,7 +221,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|inductor-pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -138,23 +138,12 @@ __device__ __forceinline__ void sort_picks(unsigned long long* picks, int* out_r
 }
 
 // One row's task: the CTA's row of scores, its output row, how much of it is live.
-// Programmatic dependent launch (lowering/pdl.py): launched with the attribute, this kernel's CTAs may start
-// while the kernel before it (the indexer's scores pass) still runs. This waits until that kernel has finished
-// and its writes are visible; nothing global is read or written before it. Without the attribute it returns at
-// once.
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 struct RowTask {
   const float* row;
   int* out_row;
   int vis, k_eff;
   __device__ __forceinline__ RowTask(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
                                      int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int S, int N, int topk) {
-    wait_for_prior_grid();  // first: every global access of the kernel comes after it
     const int64_t b = blockIdx.x / S, s = blockIdx.x % S;
     row = scores + b * ss_b + s * ss_s;
     out_row = out + b * so_b + s * so_s;
@@ -319,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
   uint32_t key[ITEMS];
   load_row(task.row, first, vis, key);
-  if (stop_after == 1) {  // diagnostics (stop_after): the row loaded, nothing else
+  if (stop_after == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
     if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
     return;
   }
@@ -601,40 +590,20 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
   sort_picks(picks, task.out_row, so_k, k_eff, topk, kpad);
 }
 
-// One CTA a row; `pdl`: with the programmatic-serialization attribute (the kernel waits in RowTask).
-template <typename Kernel>
-cudaError_t launch_rows(Kernel kernel, int rows, int smem, bool pdl, cudaStream_t stream, const float* scores,
-                        int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b, int64_t sv_s, int* out,
-                        int64_t so_b, int64_t so_s, int64_t so_k, int S, int N, int topk, int kpad, int stop_after) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(rows);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, S, N,
-                            topk, kpad, stop_after);
-}
-
 template <int ITEMS>
 cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
                    int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
-                   int topk, int kpad, int stop_after, bool pdl, cudaStream_t stream) {
-  cudaError_t err;
+                   int topk, int kpad, int stop_after, cudaStream_t stream) {
   if constexpr (ITEMS <= 16) {
-    err = launch_rows(topk_rows_kernel<ITEMS>, B * S, 0, pdl, stream, scores, ss_b, ss_s, visible, sv_b, sv_s, out,
-                      so_b, so_s, so_k, S, N, topk, kpad, stop_after);
+    topk_rows_kernel<ITEMS><<<B * S, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
+                                                            so_k, S, N, topk, kpad, stop_after);
   } else {
     // the list's shared memory is past the 48 KB a launch gets by default: opt in, once a device (eager
     // calls come before any CUDA-graph capture)
     constexpr int bytes = int(ListSmem<ITEMS>::kBytes);
     static std::atomic<uint64_t> opted{0};
     int device = 0;
-    err = cudaGetDevice(&device);
+    cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
     const uint64_t bit = 1ull << (device & 63);
     if (!(opted.load() & bit)) {
@@ -642,10 +611,10 @@ cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* v
       if (err != cudaSuccess) return err;
       opted.fetch_or(bit);
     }
-    err = launch_rows(topk_rows_list_kernel<ITEMS>, B * S, bytes, pdl, stream, scores, ss_b, ss_s, visible, sv_b,
-                      sv_s, out, so_b, so_s, so_k, S, N, topk, kpad, stop_after);
+    topk_rows_list_kernel<ITEMS><<<B * S, kThreads, bytes, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out,
+                                                                     so_b, so_s, so_k, S, N, topk, kpad, stop_after);
   }
-  return err;
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -661,10 +630,9 @@ int dsv4_topk_rows_max_topk() { return kMaxTopk; }
 // candidate list (rows of more than 8192 scores), 2 after the select, 3 after the compaction -- for
 // timing the stages by difference; out is then wrong. + 16 (kDiagNoList): no row takes the list;
 // + 32 (kDiagNoBulk): the list kernel loads its row by plain loads, not bulk copies.
-// pdl != 0: launched as the PDL dependent of the kernel before it in the stream (lowering/pdl.py; sm_90+).
-int dsv4_topk_rows_launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
-                          int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
-                          int topk, void* stream, int stop_after, int pdl) {
+int dsv4_topk_rows_diag(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
+                        int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
+                        int topk, void* stream, int stop_after) {
   if (B <= 0 || S <= 0 || topk <= 0) return 0;
   if (N < 1 || N > 64 * kThreads || topk > kMaxTopk) return -1;
   int kpad = kThreads;  // the sort's size: a power of two, at least one pick a thread
@@ -672,7 +640,7 @@ int dsv4_topk_rows_launch(const float* scores, int64_t ss_b, int64_t ss_s, const
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int per_thread = (N + kThreads - 1) / kThreads;
 #define DSV4_LAUNCH(I) launch<I>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, kpad, \
-                                 stop_after, pdl != 0, st)
+                                 stop_after, st)
   if (per_thread <= 4) return DSV4_LAUNCH(4);
   if (per_thread <= 8) return DSV4_LAUNCH(8);
   if (per_thread <= 16) return DSV4_LAUNCH(16);
@@ -684,8 +652,7 @@ int dsv4_topk_rows_launch(const float* scores, int64_t ss_b, int64_t ss_s, const
 int dsv4_topk_rows(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b, int64_t sv_s,
                    int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N, int topk,
                    void* stream) {
-  return dsv4_topk_rows_launch(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, stream,
-                               0, 0);
+  return dsv4_topk_rows_diag(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, stream, 0);
 }
 
 }  // extern "C"

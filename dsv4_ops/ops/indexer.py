@@ -3,7 +3,6 @@ import torch
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ..lowering import pdl
 from ..lowering.triton import indexer as ix
 from ..lowering.triton.indexer import indexer_scores_kernel, topk_kernel, topk_row_kernel
 from ..reference import fp8_cache as fp8
@@ -32,8 +31,7 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
         # the CUDA top-k (topk_cuda.py) after the Triton scores, when every token is one group
         cuda_topk = ix.token_group(B, S, N) == S and topk_cuda.applies((B, S, N), q.device, topk)
         if cuda_topk:
-            # a PDL pair on sm_90+ (lowering/pdl.py): the top-k's launch hides under the scores pass
-            scores, scoring = ix.scores_launch(q, weights, keys, visible, pdl_trigger=pdl.enabled(q.device))
+            scores, scoring = ix.scores_launch(q, weights, keys, visible)
             groups = ((scoring, (), None),)
         else:
             launches = ix.indexer_launches(q, weights, keys, visible, topk)

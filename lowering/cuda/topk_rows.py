@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from ..pdl import enabled as pdl_enabled
-
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "kernels" / "topk_rows.cu"
 # diagnostics, added to stop_after (the kernel's kDiag* flags): no row keeps its candidates in the shared list;
 # rows of more than 8192 scores load by plain loads instead of bulk copies
@@ -99,9 +97,9 @@ def library(index: int = 0) -> ctypes.CDLL | None:
         return None
     args = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
             + [ctypes.c_int] * 4 + [ctypes.c_void_p])
-    lib.dsv4_topk_rows.restype = lib.dsv4_topk_rows_launch.restype = ctypes.c_int
+    lib.dsv4_topk_rows.restype = lib.dsv4_topk_rows_diag.restype = ctypes.c_int
     lib.dsv4_topk_rows.argtypes = args
-    lib.dsv4_topk_rows_launch.argtypes = args + [ctypes.c_int, ctypes.c_int]
+    lib.dsv4_topk_rows_diag.argtypes = args + [ctypes.c_int]
     return lib
 
 
@@ -121,7 +119,7 @@ def max_topk(index: int = 0) -> int:
 
 
 def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor | None = None, *,
-              stop_after: int = 0, pdl: bool | None = None) -> torch.Tensor:
+              stop_after: int = 0) -> torch.Tensor:
     """``[B, S, topk] int32``: per row of ``scores [B, S, N]`` (fp32, last dim contiguous) the
     ``min(topk, visible)`` best of its first ``visible [B, S]`` entries (clamped to ``[0, N]``),
     by score descending then index ascending, then -1. Launched on the current stream.
@@ -130,9 +128,7 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
     count), select, compaction (``out`` is then wrong; after the select ``out[b, s, 0]`` is the
     number of passes the select took, + 256 where the row's candidates overflowed the shared list
     and were read from the row); + ``DIAG_NO_LIST`` / ``DIAG_NO_BULK``: the same with no row on the
-    list / with plain loads instead of bulk copies (0 + them: the whole kernel so, with right picks).
-    ``pdl``: launched as the PDL dependent of the kernel before it (``lowering/pdl.py``; None: where
-    enabled), which ``dsv4::indexer_topk``'s scores pass lets launch early."""
+    list / with plain loads instead of bulk copies (0 + them: the whole kernel so, with right picks)."""
     B, S, N = scores.shape
     index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
     lib = library(index)
@@ -154,11 +150,11 @@ def topk_rows(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch
         raise ValueError(f"topk_rows: scores, visible and out must be on one device, got {scores.device}, "
                          f"{visible.device}, {out.device}")
     with torch.cuda.device(scores.device):  # the runtime launches on the current device
-        err = lib.dsv4_topk_rows_launch(scores.data_ptr(), scores.stride(0), scores.stride(1),
-                                        visible.data_ptr(), visible.stride(0), visible.stride(1),
-                                        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
-                                        B, S, N, topk, torch.cuda.current_stream(scores.device).cuda_stream,
-                                        int(stop_after), int(pdl_enabled(scores.device) if pdl is None else pdl))
+        err = lib.dsv4_topk_rows_diag(scores.data_ptr(), scores.stride(0), scores.stride(1),
+                                      visible.data_ptr(), visible.stride(0), visible.stride(1),
+                                      out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+                                      B, S, N, topk, torch.cuda.current_stream(scores.device).cuda_stream,
+                                      int(stop_after))
     if err != 0:
         raise RuntimeError(f"topk_rows: launch failed (cudaError {err})")
     return out

@@ -57,23 +57,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                              warpgroup_mma_wait)
 
-from ..pdl import enabled as pdl_enabled
 from ..triton._launch import sm_count
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel",
-           "gluon_launch", "gluon_config", "combine_launch", "NUM_WARPS", "VARIANTS", "DIAG"]
+           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS", "DIAG"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM = 64, 512
-
-
-@gluon.jit
-def launch_dependents():
-    """``griddepcontrol.launch_dependents``: the PDL dependent (``combine_kernel``, launched with the
-    attribute) may launch now; it waits for this grid's end before reading (``lowering/pdl.py``)."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -175,7 +166,7 @@ def sparse_attention_gluon_kernel(
     NUM_SPLITS: gl.constexpr,
     DIAG_NO_GATHER: gl.constexpr = False, DIAG_NO_PV: gl.constexpr = False, DIAG_NO_SOFTMAX: gl.constexpr = False,
     DIAG_NO_INDEX: gl.constexpr = False, DIAG_MAX_BLOCKS: gl.constexpr = -1,
-    PREFETCH_EARLY: gl.constexpr = False, PDL_TRIGGER: gl.constexpr = False,
+    PREFETCH_EARLY: gl.constexpr = False,
 ):
     """``PREFETCH_EARLY`` (variant v3): the refill of the ring is issued at the top of an
     iteration, not after the scores and the row-max barrier; P @ rows is then waited for in its
@@ -187,8 +178,6 @@ def sparse_attention_gluon_kernel(
     as without them."""
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(NUM_STAGES >= 2)
-    if PDL_TRIGGER:
-        launch_dependents()
     pid_t = gl.program_id(0)  # query token b (S = 1)
     pid_sp = gl.program_id(1)  # split of the entry list
     scale_log2e = scale_log2e.to(gl.float32)
@@ -398,11 +387,10 @@ def _diag_meta(diag: dict | None) -> dict:
 
 
 def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
-                 out=None, variant="v3", *, diag=None, pdl=None):
+                 out=None, variant="v3", *, diag=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
-    switches (``DIAG``; v0 and v3), e.g. ``dict(no_gather=True)``: the result is then wrong.
-    ``pdl``: the two kernels as a PDL pair (``lowering/pdl.py``; None: where it is enabled)."""
+    switches (``DIAG``; v0 and v3), e.g. ``dict(no_gather=True)``: the result is then wrong."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
     diag_meta = _diag_meta(diag)
     B, _, H, D = q.shape
@@ -443,25 +431,13 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
                 **diag_meta, **VARIANTS[variant], num_warps=cfg["num_warps"])
-    pdl = splits > 1 and (pdl_enabled(q.device) if pdl is None else pdl)
-    meta["PDL_TRIGGER"] = pdl
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
-        launches.append(combine_launch(part_m, part_l, part_acc, sink, out, splits, pdl))
+        block_h_c, block_d_c = 16, 128
+        launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
+                         (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
+                         dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4)))
     return out, launches
-
-
-def combine_launch(part_m, part_l, part_acc, sink, out, splits: int, pdl: bool) -> tuple:
-    """``combine_kernel``'s (kernel, grid, args, meta) after a Gluon attention launch of ``splits``
-    splits (one token a row of ``out [B, 1, H, D]``); ``pdl``: as the PDL dependent of that launch
-    (``lowering/pdl.py``; the attention kernel then has ``PDL_TRIGGER``)."""
-    B, _, H, D = out.shape
-    block_h, block_d = 16, 128
-    meta = dict(D=D, BLOCK_D=block_d, BLOCK_H=block_h, NUM_SPLITS=splits, PDL_WAIT=int(pdl), num_warps=4)
-    if pdl:
-        meta["launch_pdl"] = True  # a launch option of Triton's launcher, not a constexpr
-    return (combine_kernel, (B, H // block_h, D // block_d), (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
-            meta)
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,

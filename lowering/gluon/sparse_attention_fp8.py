@@ -70,9 +70,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
-from ..pdl import enabled as pdl_enabled
-from .sparse_attention import _entry_index, _epilogue, _online_softmax, combine_launch, launch_dependents
-from ..triton.sparse_attention import _LOG2E, attention_config
+from .sparse_attention import _entry_index, _epilogue, _online_softmax
+from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
            "gluon_fp8_config", "fp8_smem_bytes", "NUM_WARPS", "SMEM_LIMIT"]
@@ -250,7 +249,7 @@ def sparse_attention_gluon_fp8_kernel(
     E_BUFS: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
     ONE_STORE: gl.constexpr,
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
-    SCALE_BYTES: gl.constexpr, PDL_TRIGGER: gl.constexpr = False,
+    SCALE_BYTES: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     gl.static_assert(NUM_STAGES >= 2)
@@ -258,8 +257,6 @@ def sparse_attention_gluon_fp8_kernel(
     gl.static_assert(D == 512)
     gl.static_assert(NOPE == 448)
     gl.static_assert(SCALE_BYTES == 8)
-    if PDL_TRIGGER:  # combine_kernel may launch now (lowering/pdl.py)
-        launch_dependents()
     pid_t = gl.program_id(0)  # query token b (S = 1)
     pid_sp = gl.program_id(1)  # split of the entry list
     scale_log2e = scale_log2e.to(gl.float32)
@@ -479,10 +476,9 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
 
 
 def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=32, num_stages=4,
-                     out=None, e_bufs=None, decode=4, one_store=ONE_STORE_DEFAULT, pdl=None):
+                     out=None, e_bufs=None, decode=4, one_store=ONE_STORE_DEFAULT):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
-    ``combine_kernel``; the cross-compile test compiles these without a GPU. ``pdl``: the two
-    kernels as a PDL pair (``lowering/pdl.py``; None: where it is enabled)."""
+    ``combine_kernel``; the cross-compile test compiles these without a GPU."""
     fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
     B, _, H, D = q.shape
     if q.stride(-1) != 1:
@@ -534,11 +530,12 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], E_BUFS=cfg["E_BUFS"],
                 NUM_SPLITS=splits, FP8=fp8, DECODE=decode, ONE_STORE=int(one_store), KV_PAGE=kv_page if fp8 == 2 else 1, CMP_PAGE=cmp_page,
                 NOPE=NOPE, DATA_BYTES=DATA_BYTES, SCALE_BYTES=SCALE_BYTES, num_warps=NUM_WARPS)
-    pdl = splits > 1 and (pdl_enabled(q.device) if pdl is None else pdl)
-    meta["PDL_TRIGGER"] = pdl
     launches = [(sparse_attention_gluon_fp8_kernel, (B, splits), args, meta)]
     if splits > 1:
-        launches.append(combine_launch(part_m, part_l, part_acc, sink, out, splits, pdl))
+        block_h_c, block_d_c = 16, 128
+        launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
+                         (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
+                         dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4)))
     return out, launches
 
 

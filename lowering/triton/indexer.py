@@ -76,7 +76,6 @@ def indexer_scores_kernel(
     KEY_PAGE: tl.constexpr,  # FP8 keys a page: static, so the page arithmetic is shifts
     FP8_DOT: tl.constexpr,  # FP8 keys: the dot on e4m3 codes (tensor cores), not on decoded bf16 / fp32
     TOPK_FUSED: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr,  # the CUDA top-k launches as this kernel's PDL dependent (lowering/pdl.py)
 ):
     """Scores of query token ``pid 0`` over entries ``[pid 1 * CHUNK, +CHUNK)`` into ``out_ptr``
     (``[B, S, N]``, strides ``so_*``). ``TOPK_FUSED`` 0: that is all (``cand_*`` unused).
@@ -87,8 +86,6 @@ def indexer_scores_kernel(
     ``cand_idx_ptr`` and scores into ``cand_score_ptr`` (both ``[B, S, P * TOPK]``, strides
     ``sc_*``) at ``pid 1 * TOPK``, in index order, then -1 / ``-inf`` fillers: exactly what
     ``topk_row_kernel`` ``STAGE`` 1 writes, for its ``STAGE`` 2 to merge."""
-    if PDL_TRIGGER:  # the top-k's CTAs may become resident now; they wait for this grid's end to read
-        tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)  # chunk of CHUNK entries
     b = (pid_t // S).to(tl.int64)
@@ -573,14 +570,13 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
 
 def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                   out: torch.Tensor | None = None, *, config: dict | None = None,
-                  candidates: tuple | None = None, pdl_trigger: bool = False) -> tuple[torch.Tensor, Launch | None]:
+                  candidates: tuple | None = None) -> tuple[torch.Tensor, Launch | None]:
     """``[B, S, N] fp32`` scores and the ``indexer_scores_kernel`` launch that fills them
     (``None``: empty). ``config`` overrides keys of ``indexer_config``. ``candidates``
     ``(cand_idx, cand_scores, topk)``: the fused top-k's launch instead (chunks of
     ``config["TOPK_FUSED"]`` entries, each program's stage-1 picks into the two ``[B, S,
     cdiv(N, chunk) * topk]`` buffers, same strides); ``out`` is then scratch, valid only
-    where visible. ``pdl_trigger``: the next kernel (the CUDA top-k) launches as this one's PDL
-    dependent (``lowering/pdl.py``), so each program lets it launch as soon as it starts."""
+    where visible."""
     B, S, HI, DI = q.shape
     fp8, fp8_dot = _fp8_keys(q, keys, config)
     N = entries(keys)
@@ -614,7 +610,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
                             CHUNK=chunk, UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
                             E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page, FP8_DOT=int(fp8_dot),
-                            PDL_TRIGGER=int(pdl_trigger), num_stages=cfg["num_stages"], **fused))
+                            num_stages=cfg["num_stages"], **fused))
 
 
 def _fp8_keys(q: torch.Tensor, keys: torch.Tensor, config: dict | None) -> tuple[bool, bool]:

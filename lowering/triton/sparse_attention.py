@@ -233,14 +233,9 @@ def combine_kernel(
     S, H,
     so_b, so_s, so_h, so_d,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PDL_WAIT: tl.constexpr,
 ):
     """Merge the split partials of one token, head block and column block into the single
-    softmax (columns are split too, so a batch-1 decode still spreads over many SMs).
-    ``PDL_WAIT``: launched as the dependent of a PDL pair (``lowering/pdl.py``): no global
-    access before the attention kernel has finished."""
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
+    softmax (columns are split too, so a batch-1 decode still spreads over many SMs)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -447,7 +442,7 @@ def attention_launches(
         combine = Launch(
             (B * S, -(-H // block_h_c), -(-D // block_d_c)),
             (part_m, part_l, part_acc, sink, out, S, H, *out.stride()),
-            dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, PDL_WAIT=0, num_warps=4),
+            dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4),
         )
     return AttentionLaunches(out, attention, combine)
 
