@@ -35,8 +35,27 @@ def _buckets(max_batch_size: int) -> list[int]:
     return out + [max_batch_size]
 
 
-def _compile(fn, cuda_graphs: bool):
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
+def compile_options(cuda_graphs: bool, pdl: bool) -> dict:
+    """Inductor options of the compiled steps: ``mode="reduce-overhead"`` is ``triton.cudagraphs``
+    (``torch._inductor.list_mode_options``), spelled as an option so that ``triton.enable_pdl`` can
+    join it (``torch.compile`` takes a mode or options, not both)."""
+    options = {"triton.cudagraphs": cuda_graphs}
+    if pdl:
+        options["triton.enable_pdl"] = True
+    return options
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether Inductor launches its kernels as programmatic dependent launches (PDL) here: its
+    ``triton.enable_pdl`` exists (torch >= 2.11) and the device is an sm_90+ NVIDIA GPU (Inductor's
+    own rule; elsewhere the option does nothing)."""
+    return (device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
+            and hasattr(torch._inductor.config.triton, "enable_pdl")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _compile(fn, cuda_graphs: bool, pdl: bool = False):
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options(cuda_graphs, pdl))
 
 
 class Generator(GenerationLoop):
@@ -55,6 +74,12 @@ class Generator(GenerationLoop):
         prefill_chunk: tokens per prefill step (long prompts run in several steps).
         kv_cache_dtype: what the KV pool stores: ``"auto"`` (the model's dtype), ``"bf16"`` or
             ``"fp8"`` (FlashMLA's FP8 V4 layout; ``model.setup_caches``).
+        pdl: programmatic dependent launch between the compiled steps' Inductor kernels
+            (``torch._inductor.config.triton.enable_pdl``): each kernel's launch and start-up
+            overlap the end of the one before it, which waits for it before it reads or writes what
+            that one touched (None = on where supported: compiled, sm_90+ NVIDIA GPUs; H200, batch 1
+            x 4K: 0.910 -> 0.741 ms a decode step, BENCHMARKS.md session 18). The tokens and logits
+            are the same bits either way.
 
     >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
     >>> [len(t) for t in gen.generate([[1, 2, 3], [4]], max_new_tokens=5)]
@@ -63,7 +88,7 @@ class Generator(GenerationLoop):
 
     def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
                  compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64,
-                 kv_cache_dtype: str = "auto", _draft: str = "mtp") -> None:
+                 kv_cache_dtype: str = "auto", pdl: bool | None = None, _draft: str = "mtp") -> None:
         check_int("spec_steps", spec_steps, 0)
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
@@ -72,6 +97,10 @@ class Generator(GenerationLoop):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (auto), got {cuda_graphs!r}")
+        if pdl is not None and not isinstance(pdl, bool):
+            raise ValueError(f"pdl must be True, False or None (auto), got {pdl!r}")
+        if pdl and not compile:
+            raise ValueError("pdl=True needs compile=True (Inductor launches the kernels)")
         self.model = model.eval()
         self.config = model.config
         self.vocab_size = model.config.vocab_size
@@ -91,6 +120,8 @@ class Generator(GenerationLoop):
         if self.cuda_graphs and not compile:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
         self.compiled = compile
+        # auto: where Inductor supports it; asked for where it does not, the option is a no-op
+        self.pdl = (compile and pdl_supported(self.device)) if pdl is None else pdl
         self.buckets = _buckets(max_batch_size)
         if compile:
             # every (step kind, bucket) is its own graph of the same code (the model's forward), and
@@ -102,7 +133,7 @@ class Generator(GenerationLoop):
         for t in [self.lengths, *self._lengths.values()]:
             torch._dynamo.mark_static_address(t)
         self._bucket = 0
-        self._forward = _compile(model, self.cuda_graphs) if compile else model
+        self._forward = _compile(model, self.cuda_graphs, self.pdl) if compile else model
         self._steps: dict[str, object] = {}
         self._graphs: dict[tuple[str, int], int] = {}  # graphs compiled per (step kind, bucket)
         self.spec = SpecDecoding(self, spec_steps, _draft) if spec_steps else None
@@ -113,7 +144,7 @@ class Generator(GenerationLoop):
         """The step function of ``kind``, compiled once per generator (when ``compile=True``)."""
         if kind not in self._steps:
             fn = self._step_fn(kind)
-            self._steps[kind] = _compile(fn, self.cuda_graphs) if self.compiled else fn
+            self._steps[kind] = _compile(fn, self.cuda_graphs, self.pdl) if self.compiled else fn
         return self._steps[kind]
 
     def _step_fn(self, kind: str):
