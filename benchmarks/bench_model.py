@@ -60,9 +60,9 @@ from dsv4_ops import DSV4Config, Generator  # noqa: E402
 from dsv4_ops.reference import fp8_cache  # noqa: E402
 from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
-# graphs: the Generator's default (compiled, CUDA graphs, Inductor's PDL where supported); graphs-nopdl: the same
-# without PDL (Generator(pdl=False)), for the comparison of BENCHMARKS.md session 18
-MODES = {"graphs": dict(compile=True), "graphs-nopdl": dict(compile=True, pdl=False),
+# graphs: the Generator's default (compiled, CUDA graphs); graphs-pdl: the same with Inductor's PDL
+# (Generator(pdl=True)), the comparison of BENCHMARKS.md session 18
+MODES = {"graphs": dict(compile=True), "graphs-pdl": dict(compile=True, pdl=True),
          "compiled": dict(compile=True, cuda_graphs=False), "eager": dict(compile=False)}
 DECODE_SLACK = 256  # max_seq_len headroom past the longest context: warm-up + timed decode calls
 TIMING = ("CUDA events around each public call (decode: back to back, as a generation loop; prefill: each call "

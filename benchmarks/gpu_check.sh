@@ -52,8 +52,8 @@
 #             reference at B = 1, 64, 128 (benchmarks/gluon_fp8_attention_check.py; ~4-6 min)
 #   sweep-indexer-fused = the whole indexer_topk at 64, 128 rows x 8192, 32768 keys (32K, 128K context): unfused
 #             (scores, then the separate top-k) vs the fused top-k by chunk 1024-8192 and warps, every line printed
-#   pdl     = Inductor's PDL (Generator(pdl=...)): tests/test_generator_pdl.py + tests/test_cuda_graphs.py, then the
-#             Generator's decode at batch 1, 64 x 4K with it (graphs) and without it (graphs-nopdl)
+#   pdl     = Inductor's PDL (Generator(pdl=True)): tests/test_generator_pdl.py + tests/test_cuda_graphs.py, then the
+#             Generator's decode at batch 1, 64 x 4K without it (graphs) and with it (graphs-pdl)
 #   topk-cuda = the CUDA top-k (csrc/kernels/topk_rows.cu, built by nvcc on first use): its GPU tests, then its time
 #             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
 #   indexer-diag = the public indexer_topk at B = 64, 128 x 32K, 128K, bf16 and FP8 keys, split into its scores pass
@@ -175,12 +175,12 @@ for what in "$@"; do
     sweep-topk-rows) # the top-k pass at 16, 64, 128 rows over 8192 scores (32K context): row kernel vs split
            python3 benchmarks/sweep_kernels.py --only topk --batches 16 64 128 --out "$OUT/sweep_topk_rows.json" 2>&1 \
            | quiet | tee "$OUT/sweep_topk_rows.log" | grep -e "] *\[" -e best -e Error || rc=1 ;;
-    pdl) # Inductor's PDL for the compiled steps' kernels (Generator(pdl=None): on for sm_90+): its GPU tests and the
-         # CUDA-graph ones, then the Generator's decode with and without it at batch 1, 64 x 4K (bench_model.py)
+    pdl) # Inductor's PDL for the compiled steps' kernels (Generator(pdl=True); off by default): its GPU tests and the
+         # CUDA-graph ones, then the Generator's decode without and with it at batch 1, 64 x 4K (bench_model.py)
       { python3 -m pytest -q -p no:cacheprovider tests/test_generator_pdl.py tests/test_cuda_graphs.py \
           tests/ops/test_topk_rows_cuda.py tests/ops/test_sparse_attention_sm90.py -k "pdl or graph or model" 2>&1 \
           | grep -v -e DEBUG -e "^\s*$" | tail -25
-        python3 benchmarks/bench_model.py --batches 1 64 --contexts 4096 --modes graphs graphs-nopdl --compare-at \
+        python3 benchmarks/bench_model.py --batches 1 64 --contexts 4096 --modes graphs graphs-pdl --compare-at \
           --hf-points --out "$OUT/bench_model_pdl.json" 2>&1 | quiet | grep -e "decode" -e "prefill" -e "|"; } 2>&1 \
         | tee "$OUT/pdl.log" || rc=1 ;;
     topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_rows_cuda.py 2>&1 | tail -5 \

@@ -75,11 +75,12 @@ class Generator(GenerationLoop):
         kv_cache_dtype: what the KV pool stores: ``"auto"`` (the model's dtype), ``"bf16"`` or
             ``"fp8"`` (FlashMLA's FP8 V4 layout; ``model.setup_caches``).
         pdl: programmatic dependent launch between the compiled steps' Inductor kernels
-            (``torch._inductor.config.triton.enable_pdl``): each kernel's launch and start-up
-            overlap the end of the one before it, which waits for it before it reads or writes what
-            that one touched (None = on where supported: compiled, sm_90+ NVIDIA GPUs; H200, batch 1
-            x 4K: 0.910 -> 0.741 ms a decode step, BENCHMARKS.md session 18). The tokens and logits
-            are the same bits either way.
+            (``torch._inductor.config.triton.enable_pdl``, used on sm_90+ NVIDIA GPUs; a no-op
+            elsewhere): a kernel's launch and its loads of what the kernel before it did not write
+            overlap that kernel's end. Off by default: on the H200 it took a batch-1 decode step of
+            the bench config from 0.919 to 0.787 ms but batch 64 from 1.353 to 1.387, and its
+            logits differ from the unpaired compiled run's by up to 7e-6 (fp32; the same greedy
+            tokens), which is not yet explained (BENCHMARKS.md, session 18).
 
     >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
     >>> [len(t) for t in gen.generate([[1, 2, 3], [4]], max_new_tokens=5)]
@@ -88,7 +89,7 @@ class Generator(GenerationLoop):
 
     def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
                  compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64,
-                 kv_cache_dtype: str = "auto", pdl: bool | None = None, _draft: str = "mtp") -> None:
+                 kv_cache_dtype: str = "auto", pdl: bool = False, _draft: str = "mtp") -> None:
         check_int("spec_steps", spec_steps, 0)
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
@@ -97,8 +98,8 @@ class Generator(GenerationLoop):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (auto), got {cuda_graphs!r}")
-        if pdl is not None and not isinstance(pdl, bool):
-            raise ValueError(f"pdl must be True, False or None (auto), got {pdl!r}")
+        if not isinstance(pdl, bool):
+            raise ValueError(f"pdl must be True or False, got {pdl!r}")
         if pdl and not compile:
             raise ValueError("pdl=True needs compile=True (Inductor launches the kernels)")
         self.model = model.eval()
@@ -120,8 +121,7 @@ class Generator(GenerationLoop):
         if self.cuda_graphs and not compile:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
         self.compiled = compile
-        # auto: where Inductor supports it; asked for where it does not, the option is a no-op
-        self.pdl = (compile and pdl_supported(self.device)) if pdl is None else pdl
+        self.pdl = pdl  # where Inductor does not use it (pdl_supported), the option is a no-op
         self.buckets = _buckets(max_batch_size)
         if compile:
             # every (step kind, bucket) is its own graph of the same code (the model's forward), and

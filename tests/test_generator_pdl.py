@@ -1,8 +1,10 @@
-"""``Generator(pdl=...)``: Inductor launches the compiled steps' kernels as programmatic dependent
-launches (``triton.enable_pdl``) where it can, on by default there. CPU: the compile options say
-what ``mode="reduce-overhead"`` says plus PDL, torch accepts them, the argument is checked, and
-auto is off where Inductor would not use it. GPU (sm_90+): the generated kernels carry the PDL
-wait, and the logits of prefill, decode and a speculative generate are the unpaired run's bits."""
+"""``Generator(pdl=True)``: Inductor launches the compiled steps' kernels as programmatic dependent
+launches (``triton.enable_pdl``; off by default). CPU: the compile options say what
+``mode="reduce-overhead"`` says plus PDL, torch accepts them, the argument is checked, and where
+Inductor would not use it the option is a no-op. GPU (sm_90+): the generated kernels carry the PDL
+wait; greedy tokens of decode and of a speculative generate equal the unpaired run's, the logits
+within 1e-4 (the H200 measured up to 7.2e-6 of difference, which two unpaired compilations do not
+show: ``benchmarks/pdl_bits.py``, BENCHMARKS.md session 18)."""
 from __future__ import annotations
 
 import pytest
@@ -24,16 +26,15 @@ def test_compile_options_are_reduce_overhead_plus_pdl():
     assert set(compile_options(True, True)) <= set(list_options())  # torch.compile accepts every key
 
 
-def test_pdl_argument_is_checked_and_auto_is_off_on_cpu():
+def test_pdl_argument_is_checked_and_off_by_default():
     model = random_model(DSV4Config.tiny())
     kw = dict(max_batch_size=2, max_seq_len=32)
-    with pytest.raises(ValueError, match="pdl must be True, False or None"):
-        Generator(model, pdl="yes", **kw)
+    with pytest.raises(ValueError, match="pdl must be True or False"):
+        Generator(model, pdl=None, **kw)
     with pytest.raises(ValueError, match="pdl=True needs compile=True"):
         Generator(model, compile=False, pdl=True, **kw)
-    assert not pdl_supported(torch.device("cpu"))
-    assert Generator(model, compile=False, **kw).pdl is False
-    assert Generator(model, compile=True, **kw).pdl is False  # a CPU model: nothing to pair
+    assert not pdl_supported(torch.device("cpu"))  # Inductor's CPU code has no PDL: the option is a no-op
+    assert Generator(model, compile=True, **kw).pdl is False
 
 
 def _generated_code(fn):
@@ -45,7 +46,7 @@ def _generated_code(fn):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not SM90, reason="Inductor's PDL needs an sm_90+ NVIDIA GPU")
-def test_pdl_steps_give_the_unpaired_logits_bit_for_bit():
+def test_pdl_steps_give_the_unpaired_tokens_and_logits_within_1e_4():
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
     model = random_model(cfg, dtype=torch.float32, device="cuda")
@@ -63,7 +64,8 @@ def test_pdl_steps_give_the_unpaired_logits_bit_for_bit():
         for _ in range(40):  # past the window's wrap and several HCA blocks
             steps.append(gen.decode(steps[-1].argmax(-1)))
         runs[pdl] = torch.stack(steps)
-    assert torch.equal(runs[True], runs[False])
+    assert torch.equal(runs[True].argmax(-1), runs[False].argmax(-1))
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=1e-4)
 
 
 @pytest.mark.gpu
