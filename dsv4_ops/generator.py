@@ -45,15 +45,6 @@ def compile_options(cuda_graphs: bool, pdl: bool) -> dict:
     return options
 
 
-def pdl_supported(device: torch.device) -> bool:
-    """Whether Inductor launches its kernels as programmatic dependent launches (PDL) here: its
-    ``triton.enable_pdl`` exists (torch >= 2.11) and the device is an sm_90+ NVIDIA GPU (Inductor's
-    own rule; elsewhere the option does nothing)."""
-    return (device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()
-            and hasattr(torch._inductor.config.triton, "enable_pdl")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
 def _compile(fn, cuda_graphs: bool, pdl: bool = False):
     return torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options(cuda_graphs, pdl))
 
@@ -121,7 +112,7 @@ class Generator(GenerationLoop):
         if self.cuda_graphs and not compile:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
         self.compiled = compile
-        self.pdl = pdl  # where Inductor does not use it (pdl_supported), the option is a no-op
+        self.pdl = pdl  # Inductor uses it on sm_90+ NVIDIA GPUs; elsewhere the option is a no-op
         self.buckets = _buckets(max_batch_size)
         if compile:
             # every (step kind, bucket) is its own graph of the same code (the model's forward), and
