@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
-from lowering.gluon.sparse_attention import VARIANTS, sparse_attention_gluon  # noqa: E402
+from lowering.gluon.sparse_attention import DIAG_VARIANTS, sparse_attention_gluon  # noqa: E402
 from lowering.triton.sparse_attention import sparse_attention as sparse_attention_tl  # noqa: E402
 
 H, D, W, RING, K, NC = 64, 512, 128, 256, 512, 8192
@@ -124,7 +124,7 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def run_case(B: int, mode: str, failures: list) -> list | None:
+def run_case(B: int, mode: str, failures: list, variant: str = "v3") -> list | None:
     dev = torch.device("cuda")
     t0 = time.time()
     inputs = make_inputs(B, mode, seed=B, dev=dev)
@@ -133,7 +133,7 @@ def run_case(B: int, mode: str, failures: list) -> list | None:
     torch.cuda.synchronize()
     err_tl = err(out_tl, want)
     try:
-        out_g = gluon_fn()(*inputs)
+        out_g = gluon_fn(variant=variant)(*inputs)
         torch.cuda.synchronize()
         err_g, err_x = err(out_g, want), err(out_g, out_tl)
     except Exception as e:  # report and go on: one broken config must not hide the others
@@ -147,11 +147,11 @@ def run_case(B: int, mode: str, failures: list) -> list | None:
     copies = copies_for(B, mode, inputs)
     tl_us = timed(tl_fn, copies)
     try:
-        g_us = timed(gluon_fn(), copies)
+        g_us = timed(gluon_fn(variant=variant), copies)
     except Exception as e:
         log(f"case {mode} B={B}: gluon timing FAILED: {first_line(e)}")
         g_us = float("nan")
-    log(f"case {mode} B={B} tl_us={tl_us:.1f} gluon_us={g_us:.1f} err_tl={err_tl:.3g} err_gluon={err_g:.3g} "
+    log(f"case {mode} B={B} variant={variant} tl_us={tl_us:.1f} gluon_us={g_us:.1f} err_tl={err_tl:.3g} err_gluon={err_g:.3g} "
         f"err_tl_vs_gluon={err_x:.3g} copies={len(copies)} ({time.time() - t0:.0f}s)")
     return copies
 
@@ -161,6 +161,7 @@ def run_case(B: int, mode: str, failures: list) -> list | None:
 SWEEP_CONFIGS = {
     "v0": [(32, 4), (64, 2)],
     "v3": [(32, 4), (64, 2)],
+    "ws": [(32, 4), (64, 2)],  # the warp-specialised kernel (sparse_attention_ws.py): no DIAG switches
 }
 
 # --diagnose: (name, diag switches) of the v0 default config, each timed against the default
@@ -234,11 +235,13 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=list(SWEEP_CONFIGS), choices=list(SWEEP_CONFIGS),
                     help="kernel variants the sweep runs (lowering/gluon/sparse_attention.py VARIANTS); "
                          "in this order, so a variant that hangs leaves the earlier lines printed")
+    ap.add_argument("--variant", default="v3", choices=list(SWEEP_CONFIGS),
+                    help="the variant the cases (--batches, at its default config) run")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--diagnose", action="store_true",
                     help="only time the v0 default against each of its DIAG switches (results wrong, unchecked)")
     ap.add_argument("--diag-batches", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--diag-variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--diag-variants", nargs="+", default=list(DIAG_VARIANTS), choices=list(DIAG_VARIANTS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device")
@@ -260,7 +263,7 @@ def main() -> int:
         for mode in args.modes:
             log(f"... case {mode} B={B}")
             try:
-                run_case(B, mode, failures)
+                run_case(B, mode, failures, args.variant)
             except Exception as e:  # the tl side or the reference: report, go on
                 log(f"case {mode} B={B}: FAILED {first_line(e)}")
                 traceback.print_exc(limit=3)

@@ -45,6 +45,9 @@
 #   sweep-topk-rows = the top-k pass at 16, 64, 128 rows x 8192 scores: row kernel vs split top-k
 #   gluon-check = the Gluon decode attention (lowering/gluon) against the reference and the tl kernel at B = 1, 64,
 #             128, then every variant's configs swept at B = 64, 128 (benchmarks/gluon_attention_check.py --sweep)
+#   gluon-ws = the warp-specialised attention (variant ws, opt-in): the model test's decode call by call with it routed
+#             (benchmarks/ws_model_diag.py: the model's output vs a fresh launch, ws and v3 vs the oracle), the race check
+#             (benchmarks/attention_repeatability.py), the sm_90 attention tests with it routed, then the v3 / ws sweep
 #   gluon-diagnose = where the Gluon kernel's time goes: the default vs each stage left out (no gather, no P @ rows,
 #             no softmax, no index loads, one block, no block) at B = 64, 128 (--diagnose; results not checked)
 #   gluon-fp8-check = the Gluon FP8-cache decode attention (lowering/gluon/sparse_attention_fp8.py, never run before):
@@ -192,6 +195,12 @@ for what in "$@"; do
     gather-bw) python3 benchmarks/gather_bandwidth.py 2>&1 | tee "$OUT/gather_bandwidth.log" || rc=1 ;;
     gluon-check) python3 benchmarks/gluon_attention_check.py --sweep 2>&1 | tee "$OUT/gluon_check.log" \
            | grep -v "^\.\.\." | tail -60 || rc=1 ;;
+    gluon-ws) { DSV4_OPS_GLUON_VARIANT=ws python3 benchmarks/ws_model_diag.py 2>&1 | quiet
+           python3 benchmarks/attention_repeatability.py --repeats 20 2>&1 | tail -3
+           DSV4_OPS_GLUON_VARIANT=ws python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_sparse_attention_sm90.py 2>&1 \
+             | grep -e passed -e failed -e "rel err"
+           python3 benchmarks/gluon_attention_check.py --sweep --variants v3 ws --variant ws --modes csa 2>&1 \
+             | grep -v "^\.\.\."; } 2>&1 | tee "$OUT/gluon_ws.log" || rc=1 ;;
     gluon-diagnose) python3 benchmarks/gluon_attention_check.py --diagnose 2>&1 | tee "$OUT/gluon_diagnose.log" \
            | grep -v "^\.\.\." || rc=1 ;;
     gluon-fp8-check) python3 benchmarks/gluon_fp8_attention_check.py 2>&1 | tee "$OUT/gluon_fp8_check.log" \
@@ -231,7 +240,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
   esac
 done
 exit $rc

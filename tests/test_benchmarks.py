@@ -480,3 +480,18 @@ def test_spec_step_cost_by_difference(monkeypatch):
     assert (cost["steps_short"], cost["steps_long"]) == (1, 10)
     assert cost["step_ms"] == pytest.approx(3.0)  # the 50 ms of prefill cancel
     assert cost["tokens_per_step"] == pytest.approx(2.0) and cost["acceptance_rate"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("script", ["attention_repeatability.py", "ws_model_diag.py", "gluon_attention_check.py"])
+def test_gpu_attention_tools_import_and_refuse_a_machine_without_cuda(script):
+    """The H200-only attention tools (gpu_check.sh gluon-ws, gluon-check) import their kernels,
+    the test model and the oracle on any machine, and without a GPU say so and exit 2 instead of
+    failing halfway: an import broken by a refactor shows here, not in a device call."""
+    import os
+    import subprocess
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the tools would run for real")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "no CUDA device" in res.stdout

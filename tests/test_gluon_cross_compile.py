@@ -1,8 +1,9 @@
 """The Gluon decode-attention prototype (``lowering/gluon/sparse_attention.py``) compiles for
 sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
 splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
-and the point of the kernel -- each warpgroup computes its own half of the scores, and (v3, the
-default) the next block's rows are waited for under this block's P @ rows, not before it (v0).
+and the point of the kernel -- each warpgroup computes its own half of the scores, (v3) the
+next block's rows are waited for under this block's P @ rows, not before it (v0), and (ws, the
+warp-specialised kernel) the rows are gathered by a producer partition that arms mbarriers.
 
 The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
 ``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
@@ -26,7 +27,10 @@ CONFIGS = {"split1": dict(num_splits=1, variant="v0"), "split2": dict(num_splits
            "split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v0"),
            # v3 (v0 with the ring refill issued at the top of an iteration) at v0's configs
            "v3_split1": dict(num_splits=1, variant="v3"), "v3_split2": dict(num_splits=2, variant="v3"),
-           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3")}
+           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3"),
+           # ws (the warp-specialised kernel) at its default 32 x 4, 1 and 2 splits
+           "ws_split1": dict(num_splits=1, variant="ws"), "ws_split2": dict(num_splits=2, variant="ws")}
+WS_CONFIGS = [name for name, cfg in CONFIGS.items() if cfg["variant"] == "ws"]
 SMEM_LIMIT = 232448
 
 
@@ -103,6 +107,9 @@ def _resources(compiled) -> dict:
     # per group of P @ rows wgmmas: cp.async waits while it is in flight (v3: the next block's
     # rows are waited for under P @ rows; v0 waits for them before issuing it)
     res["cp_wait_under_pv"] = _under_wgmma(ptx, "pv", "cp.async.wait_group")
+    res["cp_wait"] = len(re.findall(r"cp\.async\.wait_group", ptx))
+    res["cp_mbarrier_arrive_noinc"] = len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx))
+    res["setmaxnreg"] = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
     if (bin_dir / "ptxas").exists():
         # ptxas C7514: it found a register of an in-flight wgmma touched (or could not prove it
@@ -210,7 +217,7 @@ def test_wgmma_not_serialized(compiled, config):
     assert res["wgmma_serialized"] is False, res
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [name for name in CONFIGS if name not in WS_CONFIGS])
 def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
     """v3 issues the ring refill at the top of an iteration and waits for it only once P @ rows
     is in flight (the copy then runs under the scores, the softmax and P @ rows); v0 waits for it
@@ -233,10 +240,34 @@ def test_gather_is_cp_async_with_zero_fill(compiled, config):
     assert res["cp_async"] > 0 and res["cp_async_zfill"] == res["cp_async"], res
 
 
+@pytest.mark.parametrize("config", WS_CONFIGS)
+def test_ws_gathers_in_a_producer_partition(compiled, config):
+    """ws: the copies are published on mbarriers by the producer partition. With ``PUBLISH`` 1 (the
+    default) the writers publish a block themselves: ``cp.async.wait_group`` for it (one in the
+    loop, one in the drain), a proxy fence, one arrival; no per-thread ``.noinc`` arrivals. The
+    registers are split between the partitions: the producer's ``setmaxnreg.inc`` to
+    ``PRODUCER_REGS``, the consumers' ``dec`` to at most the rest (no spills:
+    ``test_compiles_without_spills``)."""
+    from lowering.gluon import sparse_attention_ws as ws
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    res = r["resources"]
+    assert r["meta"]["PRODUCER_REGS"] == ws.PRODUCER_REGS and r["meta"]["PRODUCER_WARPS"] == ws.PRODUCER_WARPS
+    assert r["meta"]["PUBLISH"] == ws.PUBLISH
+    if ws.PUBLISH == 1:
+        assert res["cp_mbarrier_arrive_noinc"] == 0 and res["cp_wait"] == 2, res
+    else:
+        assert res["cp_mbarrier_arrive_noinc"] == 1 and res["cp_wait"] == 0, res
+    assert ["inc", str(ws.PRODUCER_REGS)] in res["setmaxnreg"], res  # (kind, regs) pairs, as JSON lists
+    consumer = [int(n) for kind, n in res["setmaxnreg"] if kind == "dec" and int(n) > ws.PRODUCER_REGS]
+    assert consumer and 8 * 32 * max(consumer) + ws.PRODUCER_WARPS * 32 * ws.PRODUCER_REGS <= 65536, res
+
+
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
     assert compiled["v3_split1"]["launches"] == 1 and compiled["v3_split2"]["launches"] == 2
+    assert compiled["ws_split1"]["launches"] == 1 and compiled["ws_split2"]["launches"] == 2
 
 
 if __name__ == "__main__":

@@ -89,7 +89,9 @@ def test_the_variant_switch_picks_a_known_kernel():
     assert sm90.variant == "v3"  # the default (the test run leaves the switch unset)
     for name in ga.VARIANTS:
         cfg = ga.gluon_config(64, 640, variant=name)
-        assert (cfg["BLOCK_N"], cfg["NUM_STAGES"]) == ga.DEFAULT_BLOCKS
+        assert cfg["variant"] == name
+        want = ga.DEFAULT_BLOCKS_WS if name == "ws" else ga.DEFAULT_BLOCKS
+        assert (cfg["BLOCK_N"], cfg["NUM_STAGES"]) == want
     with pytest.raises(ValueError, match="num_stages must be >= 2"):
         ga.gluon_config(64, 640, num_stages=1)
     with pytest.raises(ValueError, match="variant must be one of"):

@@ -34,6 +34,12 @@ Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, se
   P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
   the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
   36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
+- ``ws`` (``sparse_attention_ws.py``; opt-in, not routed): v0's compute in 8 consumer warps, the
+  gathers in a 4-warp producer partition (``gl.warp_specialize``, mbarriers), 32-row blocks x 4
+  stages. H200 (session 19), CSA 32K: B=128 47.3 against v3's 53.0 us, B=64 33.0 against 32.8,
+  B=1 15.6 against 16.2; correct and bit-repeatable on every op-level check, but the V4-width
+  model test's decode logits left their bound with it routed (BENCHMARKS.md, session 19), so the
+  route keeps v3 until that is explained.
 - Measured on the H200 and removed (BENCHMARKS.md, sessions 12-13; the code is in git history
   before session 13's cleanup): q in registers with FlashMLA's split of D over two
   warp-specialised warpgroups (no faster), the next block's scores issued under this block's
@@ -61,7 +67,7 @@ from ..triton._launch import sm_count
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon", "sparse_attention_gluon_kernel",
-           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS", "DIAG"]
+           "gluon_launch", "gluon_config", "NUM_WARPS", "VARIANTS", "DIAG", "DIAG_VARIANTS"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM = 64, 512
@@ -321,29 +327,41 @@ DIAG = {
     "max_blocks": ("DIAG_MAX_BLOCKS", -1),
 }
 # variant -> the constexprs it launches the kernel with (module docstring: what each one changes).
-# Both run NUM_WARPS warps at DEFAULT_BLOCKS unless told, take the DIAG switches and need 2 stages.
-VARIANTS = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True)}
+# v0 and v3 run NUM_WARPS warps at DEFAULT_BLOCKS unless told, take the DIAG switches and need 2 stages;
+# ws (sparse_attention_ws.py, its own kernel and constexprs) runs at DEFAULT_BLOCKS_WS and takes no DIAG.
+VARIANTS = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True), "ws": dict()}
+DIAG_VARIANTS = ("v0", "v3")  # the variants that take the DIAG switches
 # (BLOCK_N, NUM_STAGES) unless told: the H200 sweeps' best for both (sessions 12-13)
 DEFAULT_BLOCKS = (64, 2)
+# ws: 32-row blocks x 4 stages, three blocks in flight under the one computed (H200, session 19)
+DEFAULT_BLOCKS_WS = (32, 4)
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
                  block_n: int | None = None, num_stages: int | None = None, variant: str = "v3") -> dict:
-    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the kernel
-    and its warps (one kernel: ``variant``, a key of ``VARIANTS``, only picks its constexprs).
+    """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the kernel,
+    its warps and constexprs (``variant``: a key of ``VARIANTS``, returned as ``variant``).
 
-    64-row blocks x 2 stages (3 stages need 271,616 B of shared memory): the fastest config
-    of the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at 32 x 4;
-    a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12)."""
+    v0 / v3: 64-row blocks x 2 stages (3 stages need 271,616 B of shared memory), the fastest
+    config of the H200 sweep at B = 64 and 128 (CSA 32K: 36.6 and 57.7 us against 39.5 and 58.4 at
+    32 x 4; a 4K-entry dense prefix: 261 against 305 us; BENCHMARKS.md, session 12). ws: 32 x 4
+    (session 19)."""
     if variant not in VARIANTS:
         raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-    block_n = DEFAULT_BLOCKS[0] if block_n is None else block_n
-    num_stages = DEFAULT_BLOCKS[1] if num_stages is None else num_stages
+    cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
+    default_blocks = DEFAULT_BLOCKS_WS if variant == "ws" else DEFAULT_BLOCKS
+    block_n = default_blocks[0] if block_n is None else block_n
+    num_stages = default_blocks[1] if num_stages is None else num_stages
     if num_stages < 2:
         raise ValueError(f"sparse_attention_gluon: num_stages must be >= 2 (a slot computed, one filled), got {num_stages}")
-    cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
-    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"],
-                kernel=sparse_attention_gluon_kernel, num_warps=NUM_WARPS)
+    common = dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"], num_warps=NUM_WARPS,
+                  variant=variant)
+    if variant == "ws":  # the warp-specialised kernel (sparse_attention_ws.py): its own constexprs
+        from . import sparse_attention_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+        return dict(common, kernel=ws.sparse_attention_gluon_ws_kernel,
+                    extra=dict(PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS,
+                               PUBLISH=ws.PUBLISH))
+    return dict(common, kernel=sparse_attention_gluon_kernel, extra=dict(VARIANTS[variant]))
 
 
 def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
@@ -414,6 +432,11 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     cfg = gluon_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages,
                        variant)
     splits = cfg["NUM_SPLITS"]
+    if cfg["variant"] not in DIAG_VARIANTS:  # ws: no DIAG constexprs
+        if diag:
+            raise ValueError(f"sparse_attention_gluon: the diag switches are for variants {DIAG_VARIANTS}, "
+                             f"not {cfg['variant']}")
+        diag_meta = {}
     if out is None:
         out = torch.empty_like(q)
     if splits > 1:
@@ -430,7 +453,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
     meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
-                **diag_meta, **VARIANTS[variant], num_warps=cfg["num_warps"])
+                **diag_meta, **cfg["extra"], num_warps=cfg["num_warps"])
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
