@@ -122,6 +122,24 @@ def _refill(ring, bias_ring, slot, v, idx, hi, W, K, N_KV, N_CMP, kv_row0, skv_n
 
 
 @gluon.jit
+def _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Entries ``[lo, hi)`` of split ``pid_sp`` of the query's virtual list (window, picks, a dense
+    prefix of ``cmp_len`` pool rows, clamped to the pool) and its number of ``BLOCK_N`` blocks:
+    splits of whole blocks, the last ones possibly empty."""
+    clen = gl.load(cmp_len_row)
+    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
+    total = W + K + clen
+    if NUM_SPLITS > 1:
+        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = pid_sp * chunk
+        hi = gl.minimum(lo + chunk, total)
+    else:
+        lo = 0
+        hi = total
+    return lo, hi, gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+
+@gluon.jit
 def _online_softmax(logits, m_i, m_blk, l_i):
     """One block of the online softmax (base 2): P, the rescale of what came before, the
     running row sum (kept per score column) and the running max (``m_blk`` this block's)."""
@@ -222,17 +240,7 @@ def sparse_attention_gluon_kernel(
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
     red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
 
-    clen = gl.load(cmp_len_ptr + b * scl_b)
-    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
-    total = W + K + clen
-    if NUM_SPLITS > 1:
-        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = pid_sp * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = 0
-        hi = total
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    lo, hi, n_blocks = _split_range(cmp_len_ptr + b * scl_b, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     if DIAG_MAX_BLOCKS >= 0:  # the program's fixed cost (0) and one block's (1 - 0)
         n_blocks = gl.minimum(n_blocks, DIAG_MAX_BLOCKS)
 

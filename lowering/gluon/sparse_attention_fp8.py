@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
-from .sparse_attention import _entry_index, _epilogue, _online_softmax
+from .sparse_attention import _entry_index, _epilogue, _online_softmax, _split_range
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
@@ -295,17 +295,7 @@ def sparse_attention_gluon_fp8_kernel(
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
     red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
 
-    clen = gl.load(cmp_len_ptr + b * scl_b)
-    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
-    total = W + K + clen
-    if NUM_SPLITS > 1:
-        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = pid_sp * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = 0
-        hi = total
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    lo, hi, n_blocks = _split_range(cmp_len_ptr + b * scl_b, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
 
     kv_row0 = kv_ptr + b * skv_b
     cmp_row0 = cmp_ptr + b * sc_b

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
-from .sparse_attention import _entry_index, _epilogue
+from .sparse_attention import _entry_index, _epilogue, _split_range
 
 __all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "PUBLISH"]
 
@@ -204,17 +204,7 @@ def sparse_attention_gluon_ws_kernel(
         mbarrier.init(full.index(st), count=PRODUCER_WARPS * 32 if PUBLISH == 0 else 1)
         mbarrier.init(empty.index(st), count=1)
 
-    clen = gl.load(cmp_len_ptr + b * scl_b)
-    clen = gl.minimum(gl.maximum(clen, 0), N_CMP)
-    total = W + K + clen
-    if NUM_SPLITS > 1:
-        chunk = gl.cdiv(gl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = pid_sp * chunk
-        hi = gl.minimum(lo + chunk, total)
-    else:
-        lo = 0
-        hi = total
-    n_blocks = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    lo, hi, n_blocks = _split_range(cmp_len_ptr + b * scl_b, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     kv_row0 = kv_ptr + b * skv_b
     cmp_row0 = cmp_ptr + b * sc_b
     widx_row = kv_idx_ptr + b * swi_b
