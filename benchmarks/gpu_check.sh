@@ -48,6 +48,8 @@
 #   gluon-ws = the warp-specialised attention (variant ws, opt-in): the model test's decode call by call with it routed
 #             (benchmarks/ws_model_diag.py: the model's output vs a fresh launch, ws and v3 vs the oracle), the race check
 #             (benchmarks/attention_repeatability.py), the sm_90 attention tests with it routed, then the v3 / ws sweep
+#   smem-poison = the Gluon attention kernels (v3, ws, the FP8 reader) with every SM's shared memory filled with NaN
+#             before each launch (tests/smem_poison.py): a read of shared memory before its writers stored it fails
 #   gluon-diagnose = where the Gluon kernel's time goes: the default vs each stage left out (no gather, no P @ rows,
 #             no softmax, no index loads, one block, no block) at B = 64, 128 (--diagnose; results not checked)
 #   gluon-fp8-check = the Gluon FP8-cache decode attention (lowering/gluon/sparse_attention_fp8.py, never run before):
@@ -201,6 +203,8 @@ for what in "$@"; do
              | grep -e passed -e failed -e "rel err"
            python3 benchmarks/gluon_attention_check.py --sweep --variants v3 ws --variant ws --modes csa 2>&1 \
              | grep -v "^\.\.\."; } 2>&1 | tee "$OUT/gluon_ws.log" || rc=1 ;;
+    smem-poison) python3 -m pytest -q -p no:cacheprovider -k shared_memory tests/ops/test_sparse_attention_sm90.py \
+           tests/ops/test_sparse_attention_sm90_fp8.py 2>&1 | tee "$OUT/smem_poison.log" | tail -15 || rc=1 ;;
     gluon-diagnose) python3 benchmarks/gluon_attention_check.py --diagnose 2>&1 | tee "$OUT/gluon_diagnose.log" \
            | grep -v "^\.\.\." || rc=1 ;;
     gluon-fp8-check) python3 benchmarks/gluon_fp8_attention_check.py 2>&1 | tee "$OUT/gluon_fp8_check.log" \

@@ -482,7 +482,8 @@ def test_spec_step_cost_by_difference(monkeypatch):
     assert cost["tokens_per_step"] == pytest.approx(2.0) and cost["acceptance_rate"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("script", ["attention_repeatability.py", "ws_model_diag.py", "gluon_attention_check.py"])
+@pytest.mark.parametrize("script", ["attention_repeatability.py", "ws_model_diag.py", "model_test_noise.py",
+                                    "gluon_attention_check.py"])
 def test_gpu_attention_tools_import_and_refuse_a_machine_without_cuda(script):
     """The H200-only attention tools (gpu_check.sh gluon-ws, gluon-check) import their kernels,
     the test model and the oracle on any machine, and without a GPU say so and exit 2 instead of

@@ -1,8 +1,8 @@
 """Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1).
 
 What ``dsv4::sparse_attention`` runs for bf16 decode at V4's widths on an sm_90 GPU (routed by
-``dsv4_ops/ops/attention_sm90.py``): CSA B=64 x 32K 33.7 us (v3) against the tl kernel's 48.0
-(H200, session 13; BENCHMARKS.md).
+``dsv4_ops/ops/attention_sm90.py``): CSA 32K at B=64 34.2 us and B=128 46.9 (``ws``) against the tl
+kernel's 46.9 and 74.8 (H200, session 20; BENCHMARKS.md).
 
 Same contract and launch split as ``lowering.triton.sparse_attention`` (one program per token
 and split, the virtual entry list window | picked | dense prefix, sink folded at the end, the
@@ -26,20 +26,20 @@ Ordering: cp.async writes and plain shared stores are generic-proxy writes that 
 proxy) reads, hence ``fence_async_shared`` by the writing threads and then a CTA barrier
 before a wgmma reads them. Checked on the H200 (session 12: errors equal to the tl kernel's).
 
-Variants (``variant=`` of the launchers, ``VARIANTS``; the default is ``v3``, session 13):
+Variants (``variant=`` of the launchers, ``VARIANTS``; the default, ``DEFAULT_VARIANT``, is ``ws``
+since session 20):
 
 - ``v0``: the kernel above (``sparse_attention_gluon_kernel``, 8 warps).
-- ``v3`` (the default; v0's kernel with ``PREFETCH_EARLY``): the ring refill is issued at the top
-  of an iteration instead of after the scores and the row-max barrier, and waited for once
-  P @ rows is in flight (a third barrier a block frees the slot), so a block's copy runs under
-  the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K: B=64 32.9 against
-  36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
-- ``ws`` (``sparse_attention_ws.py``; opt-in, not routed): v0's compute in 8 consumer warps, the
-  gathers in a 4-warp producer partition (``gl.warp_specialize``, mbarriers), 32-row blocks x 4
-  stages. H200 (session 19), CSA 32K: B=128 47.3 against v3's 53.0 us, B=64 33.0 against 32.8,
-  B=1 15.6 against 16.2; correct and bit-repeatable on every op-level check, but the V4-width
-  model test's decode logits left their bound with it routed (BENCHMARKS.md, session 19), so the
-  route keeps v3 until that is explained.
+- ``v3`` (the default of sessions 13-19; v0's kernel with ``PREFETCH_EARLY``): the ring refill is
+  issued at the top of an iteration instead of after the scores and the row-max barrier, and
+  waited for once P @ rows is in flight (a third barrier a block frees the slot), so a block's
+  copy runs under the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K:
+  B=64 32.9 against 36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
+- ``ws`` (``sparse_attention_ws.py``, the default): v0's compute in 8 consumer warps, the gathers
+  in a 4-warp producer partition (``gl.warp_specialize``, mbarriers), 32-row blocks x 4 stages.
+  H200 (session 20, the public op), CSA 32K: B=128 46.9 against v3's 54.5 us, B=96 45.7 against
+  51.9, B=64 34.2 against 33.9, B=4-32 within 0.3 us of v3 or faster; why session 19 kept it
+  opt-in and why that no longer holds: its module docstring.
 - Measured on the H200 and removed (BENCHMARKS.md, sessions 12-13; the code is in git history
   before session 13's cleanup): q in registers with FlashMLA's split of D over two
   warp-specialised warpgroups (no faster), the next block's scores issued under this block's
@@ -339,6 +339,9 @@ DIAG = {
 # ws (sparse_attention_ws.py, its own kernel and constexprs) runs at DEFAULT_BLOCKS_WS and takes no DIAG.
 VARIANTS = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True), "ws": dict()}
 DIAG_VARIANTS = ("v0", "v3")  # the variants that take the DIAG switches
+# what the public op runs (dsv4_ops/ops/attention_sm90.py): ws, within 0.3 us of v3 or faster from batch 1 to 128
+# (CSA 32K at B = 128: 46.9 against 54.5 us; B = 64: 34.2 against 33.9; BENCHMARKS.md, session 20)
+DEFAULT_VARIANT = "ws"
 # (BLOCK_N, NUM_STAGES) unless told: the H200 sweeps' best for both (sessions 12-13)
 DEFAULT_BLOCKS = (64, 2)
 # ws: 32-row blocks x 4 stages, three blocks in flight under the one computed (H200, session 19)
@@ -346,7 +349,7 @@ DEFAULT_BLOCKS_WS = (32, 4)
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                 block_n: int | None = None, num_stages: int | None = None, variant: str = "v3") -> dict:
+                 block_n: int | None = None, num_stages: int | None = None, variant: str = DEFAULT_VARIANT) -> dict:
     """Block rows, ring depth and splits: the tl kernel's split rule at the same sizes; the kernel,
     its warps and constexprs (``variant``: a key of ``VARIANTS``, returned as ``variant``).
 
@@ -413,7 +416,7 @@ def _diag_meta(diag: dict | None) -> dict:
 
 
 def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
-                 out=None, variant="v3", *, diag=None):
+                 out=None, variant=DEFAULT_VARIANT, *, diag=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU. ``diag``: timing
     switches (``DIAG``; v0 and v3), e.g. ``dict(no_gather=True)``: the result is then wrong."""
@@ -472,7 +475,7 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           block_n=None, num_stages=None, out=None, variant="v3", diag=None) -> torch.Tensor:
+                           block_n=None, num_stages=None, out=None, variant=DEFAULT_VARIANT, diag=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4-Flash widths
     (H = 64, D = 512, S = 1, float caches); ValueError for anything else. ``diag``: see
     ``gluon_launch`` (timing only: wrong results)."""
