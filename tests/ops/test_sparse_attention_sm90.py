@@ -298,6 +298,9 @@ def check_model_decode(kv_cache_dtype):
     assert worst <= 1e-2
     err = rel(gluon, triton)
     print(f"V4 attention widths, {kv_cache_dtype} cache: Gluon vs Triton decode logits, max rel err {err:.2e}")
+    # at the noise floor: attention outputs one bf16 ulp from v3's moved these logits by 2.1e-2 to
+    # 1.8e-1 (H200, 6 seeds; benchmarks/model_test_noise.py). Measured: ws 4.2e-3, v3 1.9e-2. A
+    # kernel change that fails here while the per-call check above passes is noise: re-measure
     assert gluon.isfinite().all() and err <= 2e-2
 
     gen = Generator(m, compile=True, cuda_graphs=True, **kw)
