@@ -28,7 +28,7 @@ import dsv4_ops.lowering.gluon.sparse_attention as ga  # noqa: E402  (the module
 from dsv4_ops import Generator  # noqa: E402
 from dsv4_ops.ops import attention_sm90 as sm90  # noqa: E402
 from model_util import random_model  # noqa: E402
-from ops.test_sparse_attention_sm90 import V4_ATTENTION  # noqa: E402
+from ops.test_sparse_attention_sm90 import GENERATOR_OPTIONS, V4_ATTENTION, model_test_decode  # noqa: E402
 
 real = ga.sparse_attention_gluon
 
@@ -66,12 +66,7 @@ def decode(m, picks=None, variant_of=None, noise_seed=None, wrong=None):
 
     ga.sparse_attention_gluon = launcher
     try:
-        g = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
-        feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
-        gen = Generator(m, compile=False, max_batch_size=2, max_seq_len=2200, prefill_chunk=64, kv_cache_dtype="auto")
-        gen.prefill(prompts)
-        return torch.stack([gen.decode(feed[t]) for t in range(len(feed))], 1).float()
+        return model_test_decode(Generator(m, compile=False, kv_cache_dtype="auto", **GENERATOR_OPTIONS))
     finally:
         ga.sparse_attention_gluon = real
 

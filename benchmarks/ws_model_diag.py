@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import dsv4_ops.lowering.gluon.sparse_attention as ga  # noqa: E402  (the module the op calls)
 from dsv4_ops import Generator  # noqa: E402
 from model_util import random_model  # noqa: E402
-from ops.test_sparse_attention_sm90 import V4_ATTENTION, oracle  # noqa: E402
+from ops.test_sparse_attention_sm90 import GENERATOR_OPTIONS, V4_ATTENTION, model_test_decode, oracle  # noqa: E402
 
 calls = []
 real = ga.sparse_attention_gluon
@@ -48,13 +48,7 @@ def main() -> int:
         return 2
     ga.sparse_attention_gluon = spy
     m = random_model(V4_ATTENTION, dtype=torch.bfloat16, device="cuda")
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, V4_ATTENTION.vocab_size, (n,), generator=g).tolist() for n in (2100, 700)]
-    feed = torch.randint(0, V4_ATTENTION.vocab_size, (8, 2), generator=g).cuda()
-    gen = Generator(m, compile=False, max_batch_size=2, max_seq_len=2200, prefill_chunk=64, kv_cache_dtype="auto")
-    gen.prefill(prompts)
-    for t in range(args.steps):
-        gen.decode(feed[t])
+    model_test_decode(Generator(m, compile=False, kv_cache_dtype="auto", **GENERATOR_OPTIONS), args.steps)
     print(f"{len(calls)} Gluon calls over {args.steps} decode steps", flush=True)
     for i, (a, variant, got) in enumerate(calls):
         q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale = a
