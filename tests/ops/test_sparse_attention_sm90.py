@@ -239,9 +239,10 @@ V4_ATTENTION = DSV4Config.tiny(head_dim=512, rope_head_dim=64, num_attention_hea
 
 
 def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
-    """bf16, 3 layers (sliding, CSA, HCA), prefill of 2100 tokens then 8 decode steps: the
-    Gluon route's logits stay within bf16 noise of the Triton route's, eagerly and compiled +
-    CUDA-graphed (no recompiles; the replays are where the decode time goes)."""
+    """bf16, 3 layers (sliding, CSA, HCA), prefill of 2100 tokens then 8 decode steps: each Gluon
+    call within bf16 rounding of the Triton kernel on the same inputs, and the Gluon route's logits
+    within the model's rounding noise of the Triton route's, eagerly and compiled + CUDA-graphed
+    (no recompiles; the replays are where the decode time goes)."""
     check_model_decode("auto")
 
 
@@ -249,6 +250,12 @@ def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel():
 # model_test_noise.py replay the same
 GENERATOR_OPTIONS = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64)
 DECODE_STEPS = 8
+# Rounding alone moves the test model's logits far: attention outputs one bf16 ulp from v3's moved
+# them by 2.1e-2 to 1.8e-1 (H200, 6 seeds; 2.1e-2 to 1.9e-1 on the CPU's kernels, 3 seeds), while
+# head 0 of 64 zeroed moved them 6.9e-1 and outputs one step stale 1.6 (CPU; benchmarks/
+# model_test_noise.py, BENCHMARKS.md session 20). So the logits bound is about twice the noise seen
+# and half the one-head error; the kernel itself is checked call by call (check_model_decode)
+LOGITS_BOUND = 0.35
 
 
 def model_test_decode(gen, steps=DECODE_STEPS):
@@ -306,10 +313,8 @@ def check_model_decode(kv_cache_dtype):
     assert worst <= 1e-2
     err = rel(gluon, triton)
     print(f"V4 attention widths, {kv_cache_dtype} cache: Gluon vs Triton decode logits, max rel err {err:.2e}")
-    # at the noise floor: attention outputs one bf16 ulp from v3's moved these logits by 2.1e-2 to
-    # 1.8e-1 (H200, 6 seeds; benchmarks/model_test_noise.py). Measured: ws 4.2e-3, v3 1.9e-2. A
-    # kernel change that fails here while the per-call check above passes is noise: re-measure
-    assert gluon.isfinite().all() and err <= 2e-2
+    # measured: ws 4.2e-3, v3 1.9e-2 (H200); the bound is the noise's, not the kernel's (LOGITS_BOUND)
+    assert gluon.isfinite().all() and err <= LOGITS_BOUND
 
     gen = Generator(m, compile=True, cuda_graphs=True, **kw)
     before = sm90.stats["launches"]
@@ -323,5 +328,5 @@ def check_model_decode(kv_cache_dtype):
     # Inductor fuses the bf16 elementwise chains around attention in fp32 (one rounding where eager
     # rounds at each op): 2.97e-2 on the H200 with v3 (session 12), 2.11e-2 with ws (session 20);
     # rounding moves these logits as far as the eager comparison's note says
-    assert err <= 5e-2
+    assert err <= LOGITS_BOUND
 
