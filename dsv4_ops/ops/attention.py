@@ -62,7 +62,8 @@ def sparse_attention(
         q: ``[B, S, H, D]`` float queries.
         kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode),
             same dtype as ``q``; or an FP8 KV cache ``uint8 [B, pages, page, entry_bytes]``
-            (``N = pages * page``, ``dsv4_ops/reference/fp8_cache.py``; then ``cmp`` is FP8 too).
+            (``N = pages * page``, ``dsv4_ops/reference/fp8_cache.py``; then ``cmp`` is FP8 too, or
+            empty: ``[B, 0, D]`` in ``q``'s dtype for a layer without a pool).
         kv_idx: ``[B, S, W] int32`` rows of ``kv``, ``-1`` or ``0 .. N-1``.
         cmp: ``[B, Nc, D]`` compressed pool, same dtype as ``q``; ``Nc`` may be 0. Or an FP8
             KV cache (``Nc = pages * page``).
@@ -90,8 +91,10 @@ def sparse_attention(
             v.fp8_kv_cache(op, name, t, D)
         else:
             v.same_dtype(op, name, t, "q", q)
-    if kv.dtype == torch.uint8 and cmp.dtype != torch.uint8:
-        v.fail(op, "an FP8 window source kv needs an FP8 compressed pool cmp (both come from one FP8 cache)")
+    if kv.dtype == torch.uint8 and cmp.dtype != torch.uint8 and cmp.shape[1] != 0:
+        # a sliding-window layer has no pool: an empty float cmp (what the model passes) is served
+        v.fail(op, f"an FP8 window source kv needs an FP8 compressed pool cmp (both come from one FP8 cache) "
+                   f"or an empty one, got a {cmp.dtype} pool of {cmp.shape[1]} entries")
     v.dtype(op, "kv_idx", kv_idx, torch.int32)
     v.dtype(op, "cmp_idx", cmp_idx, torch.int32)
     v.dtype(op, "cmp_len", cmp_len, torch.int32)

@@ -130,15 +130,33 @@ def test_readers_equal_the_float_ops_on_the_dequantised_cache():
     assert torch.equal(ops.indexer_topk(qI, wI, keys, vis, 5), ref.indexer_topk(qI, wI, fp8.read_keys(keys), vis, 5))
 
 
+def test_an_fp8_window_without_a_pool_is_served():
+    """A sliding-window layer over an FP8 cache has no pool: the model passes an empty float
+    ``cmp`` with the FP8 window, and the public op serves it like the raw op (session 20)."""
+    torch.manual_seed(3)
+    B, S, H, D = 2, 1, 4, 144
+    window = _kv_cache(B, 8, D, 16, 8)
+    ops.cache_write(window, torch.randn(B, 8, D), torch.arange(8, dtype=torch.int32).expand(B, 8).contiguous())
+    q, sink, no_pool = torch.randn(B, S, H, D), torch.randn(H), torch.empty(B, 0, D)
+    kv_idx = torch.randint(-1, 8, (B, S, 5), dtype=torch.int32)
+    no_picks, no_prefix = torch.zeros(B, S, 0, dtype=torch.int32), torch.zeros(B, S, dtype=torch.int32)
+    got = ops.sparse_attention(q, window, kv_idx, no_pool, no_picks, no_prefix, sink, D**-0.5)
+    want = ref.sparse_attention(q, fp8.read_kv(window, D), kv_idx, no_pool, no_picks, no_prefix, sink, D**-0.5)
+    assert torch.equal(got, want) and got.abs().sum() > 0
+    assert torch.equal(got, torch.ops.dsv4.sparse_attention(q, window, kv_idx, no_pool, no_picks, no_prefix, sink,
+                                                            D**-0.5))
+
+
 def test_bad_fp8_inputs_are_refused_naming_the_argument():
     cache = _kv_cache(1, 8, 144, 16, 8)
     with pytest.raises(ValueError, match=r"cache_write: slots\[0, 0\] = 8 is beyond cache rows N=8"):
         ops.cache_write(cache, torch.randn(1, 1, 144), torch.tensor([[8]], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cache_write: cache: an FP8 KV cache of 100-wide entries has no layout"):
         ops.cache_write(cache, torch.randn(1, 1, 100), torch.tensor([[0]], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"sparse_attention: an FP8 window source kv needs an FP8 compressed pool"):
+    with pytest.raises(ValueError, match=r"sparse_attention: an FP8 window source kv needs an FP8 compressed pool "
+                                         r".* or an empty one, got a torch.float32 pool of 3 entries"):
         ops.sparse_attention(torch.randn(1, 1, 2, 144), cache, torch.zeros(1, 1, 1, dtype=torch.int32),
-                             torch.randn(1, 0, 144), torch.zeros(1, 1, 0, dtype=torch.int32),
+                             torch.randn(1, 3, 144), torch.zeros(1, 1, 0, dtype=torch.int32),
                              torch.zeros(1, 1, dtype=torch.int32), torch.zeros(2), 0.1)
     with pytest.raises(ValueError, match=r"indexer_topk: keys \(FP8 indexer keys\) must be"):
         ops.indexer_topk(torch.randn(1, 1, 2, 32), torch.randn(1, 1, 2), cache, torch.ones(1, 1, dtype=torch.int32), 2)
