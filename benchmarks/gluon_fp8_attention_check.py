@@ -23,9 +23,14 @@ scale in play, values down to e4m3 subnormals) and a sink of -1e30, so the softm
 exactly 1 and the output is the decoded row itself: the Gluon output must equal the
 dequantised row (bf16) value for value (a -0.0 comes out +0.0), as the tl kernel's does (modes 2 and 1, splits 1 and 2).
 
-``--sweep``: BLOCK_N x NUM_STAGES x decode store (``SWEEP_CONFIGS``) x splits {1, 2} at ``--sweep-batches``
-(64 128), each checked against the reference before it is timed; a config that fails prints
-the first line of its error and the sweep goes on.
+``--variants`` (default: v0 ws): the kernels checked and timed, each on every case and in the
+exact check (``v0``: the session-13 reader; ``ws``: ``sparse_attention_fp8_ws.py``, decoder warps
+beside the MMA warps); the case line then reads ``gluon_<variant>_us`` and ``err_<variant>``.
+
+``--sweep``: per variant, its configs (v0: BLOCK_N x NUM_STAGES x decode store, ``SWEEP_CONFIGS``;
+ws: NUM_STAGES byte blocks x E_STAGES decoded blocks, ``SWEEP_CONFIGS_WS``) x splits {1, 2} at
+``--sweep-batches`` (64 128), each checked against the reference before it is timed; a config
+that fails prints the first line of its error and the sweep goes on.
 
 Exit code 1 if a Gluon result is further from the reference than 2 x the tl kernel's error +
 1e-2, if the exact check differs, or if the default Gluon config failed to run at all.
@@ -54,6 +59,7 @@ RING_FLOAT = 256  # mode 1: the float window ring's rows
 SCALE = D ** -0.5
 COPY_BUDGET = 8 * 2**30  # bytes of input copies for the L2-cold timing
 MODES = ["csa", "mixed", "csa_mode1"]
+VARIANTS = ["v0", "ws"]  # lowering/gluon/sparse_attention_fp8.py VARIANTS
 
 
 def fp8_cache(values: torch.Tensor, page: int) -> torch.Tensor:
@@ -162,10 +168,10 @@ def exact_check(failures: list) -> None:
                 want = pool_f[rows, pick.long()]
             want = want[:, None, None, :].expand(B, 1, H, D)
             args = (q, kv, kv_idx, pool8, cmp_idx, cmp_len, sink)
-            for splits in (1, 2):
-                name = f"exact {src} mode={mode} splits={splits}"
+            for variant, splits in ((v, s) for v in variants for s in (1, 2)):
+                name = f"exact {variant} {src} mode={mode} splits={splits}"
                 try:
-                    got = sparse_attention_gluon_fp8(*args, SCALE, num_splits=splits)
+                    got = sparse_attention_gluon_fp8(*args, SCALE, num_splits=splits, variant=variant)
                     got_tl = sparse_attention_tl(*args, SCALE, num_splits=splits)
                     torch.cuda.synchronize()
                 except Exception as e:
@@ -190,32 +196,39 @@ def run_case(B: int, mode: str, failures: list) -> None:
     out_tl = tl_fn(*inputs)
     torch.cuda.synchronize()
     err_tl = err(out_tl, want)
-    try:
-        out_g = gluon_fn()(*inputs)
-        torch.cuda.synchronize()
-        err_g, err_x = err(out_g, want), err(out_g, out_tl)
-    except Exception as e:  # report and go on: one broken config must not hide the others
-        log(f"case {mode} B={B}: gluon FAILED: {first_line(e)}")
-        traceback.print_exc(limit=3)
-        failures.append(f"{mode} B={B}: gluon failed ({first_line(e)})")
-        return
-    bound = 2 * err_tl + 1e-2
-    if not err_g <= bound:  # also catches NaN
-        failures.append(f"{mode} B={B}: err_gluon {err_g:.4g} > bound {bound:.4g}")
     copies = copies_for(B, mode, inputs)
     tl_us = timed(tl_fn, copies)
-    try:
-        g_us = timed(gluon_fn(), copies)
-    except Exception as e:
-        log(f"case {mode} B={B}: gluon timing FAILED: {first_line(e)}")
-        g_us = float("nan")
-    log(f"case {mode} B={B} tl_us={tl_us:.1f} gluon_us={g_us:.1f} err_tl={err_tl:.3g} err_gluon={err_g:.3g} "
-        f"err_tl_vs_gluon={err_x:.3g} copies={len(copies)} ({time.time() - t0:.0f}s)")
+    line = f"case {mode} B={B} tl_us={tl_us:.1f}"
+    errs = f"err_tl={err_tl:.3g}"
+    for variant in variants:
+        try:
+            out_g = gluon_fn(variant=variant)(*inputs)
+            torch.cuda.synchronize()
+            err_g, err_x = err(out_g, want), err(out_g, out_tl)
+        except Exception as e:  # report and go on: one broken kernel must not hide the others
+            log(f"case {mode} B={B}: gluon {variant} FAILED: {first_line(e)}")
+            traceback.print_exc(limit=3)
+            failures.append(f"{mode} B={B}: gluon {variant} failed ({first_line(e)})")
+            continue
+        bound = 2 * err_tl + 1e-2
+        if not err_g <= bound:  # also catches NaN
+            failures.append(f"{mode} B={B}: err_{variant} {err_g:.4g} > bound {bound:.4g}")
+        try:
+            g_us = timed(gluon_fn(variant=variant), copies)
+        except Exception as e:
+            log(f"case {mode} B={B}: gluon {variant} timing FAILED: {first_line(e)}")
+            g_us = float("nan")
+        line += f" gluon_{variant}_us={g_us:.1f}"
+        errs += f" err_{variant}={err_g:.3g} err_tl_vs_{variant}={err_x:.3g}"
+    log(f"{line} {errs} copies={len(copies)} ({time.time() - t0:.0f}s)")
 
 
 # (BLOCK_N, NUM_STAGES, ONE_STORE) swept, each at splits 1 and 2 (decoded buffers: two where they
 # fit, else one; ONE_STORE 1: the decode's one-store variant, fewer barriers, a few spills)
 SWEEP_CONFIGS = [(32, 2, 0), (32, 3, 0), (32, 4, 0), (32, 5, 0), (64, 2, 0), (32, 4, 1), (64, 2, 1)]
+# ws: (NUM_STAGES byte blocks, E_STAGES decoded blocks) of 32 rows (32 x 3 x 3 is 230,656 B of 232,448)
+SWEEP_CONFIGS_WS = [(4, 2), (3, 2), (2, 2), (3, 3), (2, 3), (1, 3)]
+variants = list(VARIANTS)  # main() sets it from --variants
 
 
 def sweep(B: int, mode: str, failures: list) -> None:
@@ -225,11 +238,17 @@ def sweep(B: int, mode: str, failures: list) -> None:
     err_tl = err(tl_fn(*inputs), want)
     copies = copies_for(B, mode, inputs)
     log(f"sweep {mode} B={B}: tl_us={timed(tl_fn, copies):.1f} err_tl={err_tl:.3g}")
-    for block_n, stages, one_store in SWEEP_CONFIGS:
+    configs = []
+    if "v0" in variants:
+        configs += [(f"v0 BLOCK_N={n} NUM_STAGES={st} ONE_STORE={one}",
+                     dict(variant="v0", block_n=n, num_stages=st, one_store=one)) for n, st, one in SWEEP_CONFIGS]
+    if "ws" in variants:
+        configs += [(f"ws BLOCK_N=32 NUM_STAGES={st} E_STAGES={e}", dict(variant="ws", num_stages=st, e_bufs=e))
+                    for st, e in SWEEP_CONFIGS_WS]
+    for label, base in configs:
         for splits in (1, 2):
-            cfg = dict(block_n=block_n, num_stages=stages, num_splits=splits, one_store=one_store)
-            name = (f"sweep {mode} B={B} BLOCK_N={block_n} NUM_STAGES={stages} ONE_STORE={one_store} "
-                    f"splits={splits}")
+            cfg = dict(base, num_splits=splits)
+            name = f"sweep {mode} B={B} {label} splits={splits}"
             try:
                 fn = gluon_fn(**cfg)
                 e = err(fn(*inputs), want)  # checked before it is timed
@@ -247,12 +266,14 @@ def sweep(B: int, mode: str, failures: list) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 128])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 64, 128], help="the cases' batches (none: sweep only)")
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     ap.add_argument("--sweep", action="store_true", help="also sweep the Gluon configs at --sweep-batches")
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--no-exact", action="store_true", help="skip the bit-exact decode check")
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     args = ap.parse_args()
+    variants[:] = args.variants
     if not torch.cuda.is_available():
         log("no CUDA device")
         return 2

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
 SMEM_LIMIT = 232448
 # known stack bytes of the non-default configs (at most this many); the defaults: none
-SPILLS = {"split2_n64": 16, "split1_onestore": 8}
+SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_mode1_split1": 8, "ws_split1_e3": 8}
 CONFIGS = {
     "split1": dict(num_splits=1),  # the default: 32-row blocks x 4 stages, two decoded buffers
     "split2": dict(num_splits=2),
@@ -39,6 +39,12 @@ CONFIGS = {
     "mode1_split2": dict(num_splits=2, mode=1),
     # the decode's one-store variant (a sweep option: fewer barriers, a few spilled registers)
     "split1_onestore": dict(num_splits=1, one_store=1),
+    # variant ws (sparse_attention_fp8_ws.py): decoder warps beside the MMA warps; its default
+    # (32-row blocks, 4 byte blocks, 2 decoded blocks) and the deepest decoded ring that fits
+    "ws_split1": dict(num_splits=1, variant="ws"),
+    "ws_split2": dict(num_splits=2, variant="ws"),
+    "ws_mode1_split1": dict(num_splits=1, variant="ws", mode=1),
+    "ws_split1_e3": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=3),
 }
 
 
@@ -58,6 +64,7 @@ def _resources(compiled) -> dict:
         res["cp_async_zfill"] += m.group(3) is not None
     res["prmt"] = len(re.findall(r"prmt\.b32", ptx))
     res["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
+    res["setmaxnreg_inc"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)})
     res.update(_register_usage(compiled))
     return res
 
@@ -95,7 +102,8 @@ def _worker(names):
         _, launches = gf.gluon_fp8_launch(*_inputs(mode), **cfg)
         kernel, grid, args, meta = launches[0]
         entry = {"config": name, "meta": dict(meta), "grid": list(grid), "launches": len(launches),
-                 "explicit_smem": gf.fp8_smem_bytes(meta["BLOCK_N"], meta["NUM_STAGES"], meta["E_BUFS"])}
+                 "explicit_smem": gf.fp8_smem_bytes(meta["BLOCK_N"], meta["NUM_STAGES"],
+                                                    meta.get("E_BUFS", meta.get("E_STAGES")), cfg.get("variant", "v0"))}
         try:
             compiled = triton.compile(_source(kernel, args, meta, gluon=True), target=target,
                                       options={"num_warps": meta["num_warps"]})
@@ -154,6 +162,17 @@ def test_bytes_by_zero_filling_cp_async_decoded_by_bit_moves(compiled, config):
     assert res["cp_async"].get("16", 0) > 0, res
     per_decode = 2 * 7 * r["meta"]["BLOCK_N"] * 64 // 256 // 4
     assert res["prmt"] >= 2 * per_decode, res
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
+def test_ws_decodes_in_its_own_warps(compiled, config):
+    """ws is warp-specialised: the decoder partition raises its registers to ``DECODER_REGS`` and
+    the MMA warps to theirs (``setmaxnreg``), v0's kernel has no partitions."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    assert r["meta"]["DECODER_REGS"] in r["resources"]["setmaxnreg_inc"], r["resources"]
+    assert max(r["resources"]["setmaxnreg_inc"]) > r["meta"]["DECODER_REGS"], r["resources"]
+    assert compiled["split1"]["resources"]["setmaxnreg_inc"] == []
 
 
 def test_split_launch_uses_combine(compiled):

@@ -16,7 +16,8 @@ graphs replay like any launch. AOTInductor cannot call a Python op from its C++ 
 
 ``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off; ``DSV4_OPS_GLUON_VARIANT``
 picks the bf16 kernel's variant (unset: the launcher's ``DEFAULT_VARIANT``, ``ws`` since session 20;
-``v3`` and ``v0`` for measurements). A compiled graph keeps the route it was traced with, and so
+``v3`` and ``v0`` for measurements), ``DSV4_OPS_GLUON_FP8_VARIANT`` the FP8 reader's (unset: its
+launcher's ``DEFAULT_VARIANT``; ``v0`` or ``ws``). A compiled graph keeps the route it was traced with, and so
 may torch's on-disk compile cache (its key is the graph before the route is taken): use a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
 """
@@ -37,6 +38,9 @@ _enabled = os.environ.get(ENV, "1").strip() != "0"
 # through the public op (benchmarks, GPU tests): an unknown name is a ValueError at the first call
 VARIANT_ENV = "DSV4_OPS_GLUON_VARIANT"
 variant = os.environ.get(VARIANT_ENV, "").strip() or None  # None: the launcher's DEFAULT_VARIANT
+# the FP8 reader's (lowering/gluon/sparse_attention_fp8.py VARIANTS), likewise
+FP8_VARIANT_ENV = "DSV4_OPS_GLUON_FP8_VARIANT"
+fp8_variant = os.environ.get(FP8_VARIANT_ENV, "").strip() or None
 # FP8 caches take the Gluon reader from this batch on: the H200 measured it faster at 64 and 128
 # (CSA 32K: 53.4 against 57.9 us, 82.9 against 97.3) and slower at 1 (22.2 against 20.1; session 13)
 FP8_MIN_BATCH = 64
@@ -91,7 +95,8 @@ def sparse_attention_sm90(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _fp8_caches(kv, cmp):
         from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
-        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+        kw = {} if fp8_variant is None else dict(variant=fp8_variant)
+        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out, **kw)
     from ..lowering.gluon.sparse_attention import sparse_attention_gluon
     kw = {} if variant is None else dict(variant=variant)
     return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out, **kw)

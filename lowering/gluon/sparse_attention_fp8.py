@@ -74,7 +74,7 @@ from .sparse_attention import _entry_index, _epilogue, _online_softmax, _split_r
 from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
-           "gluon_fp8_config", "fp8_smem_bytes", "NUM_WARPS", "SMEM_LIMIT"]
+           "gluon_fp8_config", "fp8_smem_bytes", "NUM_WARPS", "SMEM_LIMIT", "VARIANTS", "DEFAULT_VARIANT"]
 
 NUM_WARPS = 8  # two warpgroups: the layouts below assume it
 BLOCK_H, HEAD_DIM, NOPE, ROPE = 64, 512, 448, 64
@@ -94,9 +94,10 @@ def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_ro
                  BLOCK_N: gl.constexpr):
     """cp.async the raw FP8 entries of ``v`` (codes, rope, scales; lanes not FP8-valid: zeros,
     no memory read) into one ring slot."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [8, 1], [1, 0])
-    scl_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    # one row a warp (the calling partition's warps: 8 in the v0 kernel, the decoder's in ws)
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
+    scl_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     in_w = v < W
     valid = (v < hi) & (idx >= 0) & (idx < gl.where(in_w, N_KV, N_CMP))
     if FP8 == 2:
@@ -202,7 +203,7 @@ def _decode_block(codes_buf, rope_buf, scl_buf, e_buf, start, W, widx_row, swi_w
     """Raw bytes of one ring slot -> bf16 rows in ``e_buf`` (NVMMA, what the wgmma reads), one
     64-channel block at a time: 8 codes a thread (one 8-byte shared load), x the block's scale,
     16 bytes stored; the rope as bf16. Mode 1: window lanes from the float window rows."""
-    dec_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    dec_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, dec_l))
     if FP8 == 1:
         # window lanes of this block: their row pointers (the indices again, an L1/L2 hit)
@@ -383,20 +384,38 @@ def sparse_attention_gluon_fp8_kernel(
               so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
 
 
-def fp8_smem_bytes(block_n: int, num_stages: int, e_bufs: int) -> int:
-    """The kernel's explicit shared memory (the compiler may add a little for layout conversions)."""
+def fp8_smem_bytes(block_n: int, num_stages: int, e_bufs: int, variant: str = "v0") -> int:
+    """The kernel's explicit shared memory (the compiler may add a little for layout conversions).
+    ws: no bias ring (the consumers compute the bias), ``e_bufs`` decoded slots (its ``E_STAGES``)."""
+    bias = (num_stages + 1) * block_n * 4 if variant == "v0" else 0
     return (BLOCK_H * HEAD_DIM * 2 + num_stages * block_n * (512 + 128 + SCALE_BYTES)
-            + e_bufs * block_n * HEAD_DIM * 2 + BLOCK_H * block_n * 2 + (num_stages + 1) * block_n * 4 + BLOCK_H * 2 * 4)
+            + e_bufs * block_n * HEAD_DIM * 2 + BLOCK_H * block_n * 2 + bias + BLOCK_H * 2 * 4)
+
+
+# variant -> (BLOCK_N, NUM_STAGES byte blocks, decoded buffers or None: two when they fit) unless told.
+# v0: the session-13 kernel; ws: sparse_attention_fp8_ws.py (decoder warps beside the MMA warps)
+VARIANTS = {"v0": (32, 4, None), "ws": (32, 4, 2)}
+DEFAULT_VARIANT = "v0"
 
 
 def gluon_fp8_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
-                     block_n: int = 32, num_stages: int = 4, e_bufs: int | None = None) -> dict:
+                     block_n: int | None = None, num_stages: int | None = None, e_bufs: int | None = None,
+                     variant: str = DEFAULT_VARIANT) -> dict:
     """Block rows, byte-ring depth, decoded buffers and splits (the tl kernel's split rule).
-    ``e_bufs`` None: two decoded buffers when they fit ``SMEM_LIMIT``, else one."""
-    cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
+    ``e_bufs`` None: the variant's default (v0: two decoded buffers when they fit ``SMEM_LIMIT``)."""
+    if variant not in VARIANTS:
+        raise _err(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    d_block_n, d_stages, d_bufs = VARIANTS[variant]
+    block_n = d_block_n if block_n is None else block_n
+    num_stages = d_stages if num_stages is None else num_stages
+    if e_bufs is None:
+        e_bufs = d_bufs
     if e_bufs is None:
         e_bufs = 2 if fp8_smem_bytes(block_n, num_stages, 2) <= SMEM_LIMIT else 1
-    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, E_BUFS=e_bufs, NUM_SPLITS=cfg["NUM_SPLITS"])
+    if variant == "ws" and (e_bufs < 2 or num_stages < 1):
+        raise _err(f"variant ws needs e_bufs >= 2 and num_stages >= 1, got {e_bufs} and {num_stages}")
+    cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
+    return dict(BLOCK_N=block_n, NUM_STAGES=num_stages, E_BUFS=e_bufs, NUM_SPLITS=cfg["NUM_SPLITS"], variant=variant)
 
 
 def _err(msg: str) -> ValueError:
@@ -465,8 +484,8 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
     return fp8
 
 
-def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=32, num_stages=4,
-                     out=None, e_bufs=None, decode=4, one_store=ONE_STORE_DEFAULT):
+def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
+                     out=None, e_bufs=None, decode=4, one_store=ONE_STORE_DEFAULT, variant=DEFAULT_VARIANT):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU."""
     fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
@@ -497,10 +516,12 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
         kv_idx = cmp_len[..., None]
     if K == 0:
         cmp_idx = cmp_len[..., None]
-    cfg = gluon_fp8_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages, e_bufs)
-    if fp8_smem_bytes(block_n, num_stages, cfg["E_BUFS"]) > SMEM_LIMIT:
-        raise _err(f"block_n={block_n} x num_stages={num_stages} x {cfg['E_BUFS']} decoded buffers needs "
-                   f"{fp8_smem_bytes(block_n, num_stages, cfg['E_BUFS'])} B of shared memory (> {SMEM_LIMIT})")
+    cfg = gluon_fp8_config(B, W + (K if K else n_cmp), sm_count(q.device), num_splits, block_n, num_stages, e_bufs,
+                           variant)
+    smem = fp8_smem_bytes(cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["E_BUFS"], variant)
+    if smem > SMEM_LIMIT:
+        raise _err(f"block_n={cfg['BLOCK_N']} x num_stages={cfg['NUM_STAGES']} x {cfg['E_BUFS']} decoded buffers "
+                   f"({variant}) needs {smem} B of shared memory (> {SMEM_LIMIT})")
     splits = cfg["NUM_SPLITS"]
     if out is None:
         out = torch.empty_like(q)
@@ -517,10 +538,17 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
             q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), kv_idx.stride(0), kv_idx.stride(2),
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))
-    meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], E_BUFS=cfg["E_BUFS"],
-                NUM_SPLITS=splits, FP8=fp8, DECODE=decode, ONE_STORE=int(one_store), KV_PAGE=kv_page if fp8 == 2 else 1, CMP_PAGE=cmp_page,
-                NOPE=NOPE, DATA_BYTES=DATA_BYTES, SCALE_BYTES=SCALE_BYTES, num_warps=NUM_WARPS)
-    launches = [(sparse_attention_gluon_fp8_kernel, (B, splits), args, meta)]
+    meta = dict(D=D, BLOCK_H=BLOCK_H, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], NUM_SPLITS=splits,
+                FP8=fp8, DECODE=decode, KV_PAGE=kv_page if fp8 == 2 else 1, CMP_PAGE=cmp_page, NOPE=NOPE,
+                DATA_BYTES=DATA_BYTES, SCALE_BYTES=SCALE_BYTES, num_warps=NUM_WARPS)
+    if variant == "ws":
+        from . import sparse_attention_fp8_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+        kernel = ws.sparse_attention_gluon_fp8_ws_kernel
+        meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS)
+    else:
+        kernel = sparse_attention_gluon_fp8_kernel
+        meta.update(E_BUFS=cfg["E_BUFS"], ONE_STORE=int(one_store))
+    launches = [(kernel, (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128
         launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
@@ -530,13 +558,13 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
 
 
 def sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                               block_n=32, num_stages=4, out=None, e_bufs=None, decode=4,
-                               one_store=ONE_STORE_DEFAULT) -> torch.Tensor:
+                               block_n=None, num_stages=None, out=None, e_bufs=None, decode=4,
+                               one_store=ONE_STORE_DEFAULT, variant=DEFAULT_VARIANT) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode over FP8 caches at
     V4-Flash widths (H = 64, D = 512, S = 1; FP8 mode 2: FP8 window and pool pages, mode 1: bf16
     window rows and an FP8 pool); ValueError for anything else."""
     out, launches = gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,
-                                     num_stages, out, e_bufs, decode, one_store)
+                                     num_stages, out, e_bufs, decode, one_store, variant)
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta)
     return out

@@ -69,6 +69,14 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True, params=["v0", "ws"])
+def variant(request, monkeypatch):
+    """Every test with each FP8 reader routed (``lowering/gluon/sparse_attention_fp8.py`` VARIANTS:
+    v0 decodes in the MMA warps, ws in decoder warps beside them)."""
+    monkeypatch.setattr(sm90, "fp8_variant", request.param)
+    return request.param
+
+
 @pytest.fixture
 def any_batch(monkeypatch):
     """The route from batch 1 on (its default starts at ``FP8_MIN_BATCH``): the kernel's edge
@@ -102,7 +110,7 @@ def test_fp8_caches_take_the_gluon_route_and_match_the_reference(case, tol, any_
     assert (out.float() - triton_out.float()).abs().max() <= 1e-2
 
 
-def test_the_fp8_reader_reads_no_shared_memory_it_has_not_written(tol):
+def test_the_fp8_reader_reads_no_shared_memory_it_has_not_written(tol, variant):
     """As the bf16 kernels' test: every SM's shared memory NaN before each launch (stale values
     would otherwise be the previous launch's own), the output still the oracle's."""
     from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
@@ -111,7 +119,7 @@ def test_the_fp8_reader_reads_no_shared_memory_it_has_not_written(tol):
     want = oracle(*dequantised(args))
     for _ in range(4):
         poison_shared_memory()
-        out = sparse_attention_gluon_fp8(*args)
+        out = sparse_attention_gluon_fp8(*args, variant=variant)
         assert out.isfinite().all(), "the kernel read shared memory it had not written"
         torch.testing.assert_close(out.double(), want, **tol(torch.bfloat16))
 

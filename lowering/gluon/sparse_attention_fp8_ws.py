@@ -1,0 +1,153 @@
+"""Warp-specialised Gluon decode attention over FP8 KV caches (sm_90, bf16 q, H = 64, D = 512, S = 1):
+variant ``ws`` of ``sparse_attention_fp8.py``.
+
+Why: the FP8 reader (``sparse_attention_fp8.py``, variant ``v0``) decodes each row block with the
+same 8 warps that compute the scores, softmax and ``P @ rows``; the decode and its barriers run
+between the MMAs, so the FP8 cache, which reads 43% fewer bytes than bf16, takes 1.5x the bf16
+kernel's time (H200, session 13: CSA 32K B=128 83.5 against 53.9 us).
+
+Here the two roles run side by side, as in ``sparse_attention_ws.py`` (the bf16 ``ws`` kernel):
+
+- A *decoder* partition (``DECODER_WARPS`` warps, ``gl.warp_specialize``) gathers each block's raw
+  entry bytes by ``cp.async`` into a byte ring of ``NUM_STAGES`` slots (``_issue_bytes``: codes,
+  rope, footer scales; masked lanes zero-filled, which decodes to exact zeros), and decodes a landed
+  block (``_decode_block``: the PTX bit moves, bit for bit the v0 reader's values) into a ring of
+  ``E_STAGES`` bf16 row blocks, the wgmma operand. It waits for its E slot to be freed (``empty``
+  mbarrier), and publishes the decoded block (``fence.proxy.async`` for the wgmma's proxy, a
+  partition barrier, one arrival on ``full``). Once a block is decoded its byte slot is refilled
+  with the block ``NUM_STAGES`` ahead.
+- The 8 *consumer* warps are the bf16 ``ws`` kernel's ``_consumer`` unchanged: wait on ``full``,
+  scores, the row max exchanged through shared memory, online softmax, ``P @ rows`` left in flight,
+  the slot freed once both warpgroups' ``P @ rows`` of that block has completed. Their score bias
+  follows the decoder's copy mask (``_valid``: the same rule as ``_issue_bytes``).
+
+FP8 modes 2 (FP8 window and pool pages) and 1 (bf16 window rows, loaded by the decoder, and an FP8
+pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks: ``gluon_fp8_launch``
+(``variant="ws"``).
+
+Shared memory: q 64 KB + ``E_STAGES x BLOCK_N`` KB of decoded rows + ``NUM_STAGES x BLOCK_N x 648`` B
+of raw bytes + P ``64 x BLOCK_N x 2`` B + the maxima (``fp8_smem_bytes``).
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from .sparse_attention import _entry_index, _epilogue, _split_range
+from .sparse_attention_fp8 import _decode_block, _issue_bytes
+from .sparse_attention_ws import _consumer
+
+__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS"]
+
+DECODER_WARPS = 4
+DECODER_REGS = 96  # 80 spills 24 B of stack (cross-compile)
+
+
+@gluon.jit
+def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
+             kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k,
+             FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
+             DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr):
+    """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
+    refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
+    memory read)."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
+    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    for st in gl.static_range(NUM_STAGES):
+        _issue_bytes(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
+                     kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
+        cp.commit_group()
+        v = v + BLOCK_N
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        eslot = j % E_STAGES
+        cp.wait_group(NUM_STAGES - 1)  # this thread's copies of block j landed
+        gl.thread_barrier()  # ... every decoder thread's
+        # E slot's previous block (j - E_STAGES) consumed; the first round is free
+        mbarrier.wait(empty.index(eslot), ((j // E_STAGES) + 1) & 1, pred=j >= E_STAGES)
+        _decode_block(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), e_ring.index(eslot),
+                      lo + j * BLOCK_N, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
+        fence_async_shared()  # the decoded rows (plain stores) visible to the wgmma (async proxy) ...
+        gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
+        mbarrier.arrive(full.index(eslot))
+        _issue_bytes(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, idx, hi, W, N_KV,
+                     N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
+                     BLOCK_N)
+        cp.commit_group()
+        v = v + BLOCK_N
+        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    cp.wait_group(0)  # no copy may outlive the program's shared memory
+
+
+@gluon.jit
+def sparse_attention_gluon_fp8_ws_kernel(
+    q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2e,
+    N_KV, N_CMP, W, K,
+    sq_b, sq_h,
+    skv_b, skv_n,
+    swi_b, swi_w,
+    sc_b, sc_n,
+    sci_b, sci_k,
+    scl_b,
+    so_b, so_h,
+    D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    E_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
+    KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
+    SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr,
+):
+    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
+    gl.static_assert(NUM_STAGES >= 1)
+    gl.static_assert(E_STAGES >= 2)
+    gl.static_assert(D == 512)
+    gl.static_assert(NOPE == 448)
+    gl.static_assert(SCALE_BYTES == 8)
+    pid_t = gl.program_id(0)
+    pid_sp = gl.program_id(1)
+    scale_log2e = scale_log2e.to(gl.float32)
+    b = pid_t.to(gl.int64)
+
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    flat_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, D // 2, 16])
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
+    e_ring = gl.allocate_shared_memory(gl.bfloat16, [E_STAGES, BLOCK_N, D], e_sl)
+    codes_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 512], flat_sl)
+    rope_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 128], flat_sl)
+    scl_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, SCALE_BYTES], flat_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
+    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], flat_sl)
+    full = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(E_STAGES):
+        mbarrier.init(full.index(st), count=1)  # one arrival once every decoder thread has fenced
+        mbarrier.init(empty.index(st), count=1)
+
+    lo, hi, n_blocks = _split_range(cmp_len_ptr + b * scl_b, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
+    kv_row0 = kv_ptr + b * skv_b
+    cmp_row0 = cmp_ptr + b * sc_b
+    widx_row = kv_idx_ptr + b * swi_b
+    cidx_row = cmp_idx_ptr + b * sci_b
+
+    acc, m_i, l_i = gl.warp_specialize([
+        (_consumer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, red_smem, full, empty, lo, hi, n_blocks,
+                     scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES)),
+        (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
+                    kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
+                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE)),
+    ], [DECODER_WARPS], [DECODER_REGS])
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
+              so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
