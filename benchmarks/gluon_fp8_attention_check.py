@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import l2_bytes, rotation_copies  # noqa: E402
 from dsv4_ops import reference as ref  # noqa: E402
 from dsv4_ops.reference import fp8_cache as fp8  # noqa: E402
+from lowering.gluon import sparse_attention_fp8_ws as ws  # noqa: E402
 from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8  # noqa: E402
 from lowering.triton.sparse_attention import sparse_attention as sparse_attention_tl  # noqa: E402
 # the bf16 check's helpers: log, the max abs error, the CUDA-graph timer, the tl launch, an error's first line
@@ -226,9 +227,12 @@ def run_case(B: int, mode: str, failures: list) -> None:
 # (BLOCK_N, NUM_STAGES, ONE_STORE) swept, each at splits 1 and 2 (decoded buffers: two where they
 # fit, else one; ONE_STORE 1: the decode's one-store variant, fewer barriers, a few spills)
 SWEEP_CONFIGS = [(32, 2, 0), (32, 3, 0), (32, 4, 0), (32, 5, 0), (64, 2, 0), (32, 4, 1), (64, 2, 1)]
-# ws: (NUM_STAGES byte blocks, E_STAGES decoded blocks) of 32 rows (32 x 3 x 3 is 230,656 B of 232,448)
-SWEEP_CONFIGS_WS = [(4, 2), (3, 2), (2, 2), (3, 3), (2, 3), (1, 3)]
+# ws: (NUM_STAGES byte blocks, E_STAGES decoded blocks of 32 rows, ONE_STORE rows decoded and stored at once
+# (0: a 64-channel block at a time), the decoder's registers); 32 x 3 x 3 is 230,656 B of 232,448
+SWEEP_CONFIGS_WS = [(2, 3, 0, 96), (3, 2, 0, 96), (2, 3, 8, 96), (2, 3, 16, 96), (2, 3, 8, 112), (2, 3, 16, 112),
+                    (3, 2, 8, 112), (3, 2, 16, 112), (1, 3, 16, 112), (4, 2, 16, 112)]
 variants = list(VARIANTS)  # main() sets it from --variants
+DECODER_REGS = ws.DECODER_REGS  # the default, restored after the sweep
 
 
 def sweep(B: int, mode: str, failures: list) -> None:
@@ -243,11 +247,13 @@ def sweep(B: int, mode: str, failures: list) -> None:
         configs += [(f"v0 BLOCK_N={n} NUM_STAGES={st} ONE_STORE={one}",
                      dict(variant="v0", block_n=n, num_stages=st, one_store=one)) for n, st, one in SWEEP_CONFIGS]
     if "ws" in variants:
-        configs += [(f"ws BLOCK_N=32 NUM_STAGES={st} E_STAGES={e}", dict(variant="ws", num_stages=st, e_bufs=e))
-                    for st, e in SWEEP_CONFIGS_WS]
+        configs += [(f"ws BLOCK_N=32 NUM_STAGES={st} E_STAGES={e} ONE_STORE={one} DECODER_REGS={regs}",
+                     dict(variant="ws", num_stages=st, e_bufs=e, one_store=one, decoder_regs=regs))
+                    for st, e, one, regs in SWEEP_CONFIGS_WS]
     for label, base in configs:
         for splits in (1, 2):
             cfg = dict(base, num_splits=splits)
+            ws.DECODER_REGS = cfg.pop("decoder_regs", DECODER_REGS)  # read by the launcher at each call
             name = f"sweep {mode} B={B} {label} splits={splits}"
             try:
                 fn = gluon_fn(**cfg)
@@ -262,6 +268,7 @@ def sweep(B: int, mode: str, failures: list) -> None:
             if flag:
                 failures.append(f"{name}: err {e:.4g}")
             log(f"{name}: gluon_us={us:.1f} err_gluon={e:.3g}{flag}")
+    ws.DECODER_REGS = DECODER_REGS
 
 
 def main() -> int:

@@ -163,14 +163,21 @@ def _e4m3x4_bf16(code):
 
 
 @gluon.jit
-def _decode_block_3d(codes_buf, rope_buf, scl_buf, e_buf, start, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi,
+def _rows_3d(codes_buf, rope_buf, BLOCK_N: gl.constexpr):
+    """One byte slot's views for ``_decode_block_3d``: the codes as ``[BLOCK_N, 8, 64]`` u8, the
+    rope bytes as ``[BLOCK_N, 64]`` bf16 (row slices of these views are what the ws decoder takes)."""
+    return codes_buf.reshape([BLOCK_N, 8, 64]), rope_buf._reinterpret(gl.bfloat16, [BLOCK_N, 64], rope_buf.layout)
+
+
+@gluon.jit
+def _decode_block_3d(codes3, rope16, scl_buf, e_buf, start, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi,
                      FP8: gl.constexpr, NOPE: gl.constexpr, BLOCK_N: gl.constexpr, DECODE: gl.constexpr):
     """``_decode_block`` as one ``[BLOCK_N, 8, 64]`` tensor and ONE store of the whole row block
     (the per-block stores of ``_decode_block`` each get a CTA barrier from Triton's membar pass,
-    which does not tell the column slices of one buffer apart). Block 7 is the rope (bytes loaded
-    through a bf16 view, broadcast over the block lanes, selected by ``where``)."""
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
-    code = codes_buf.reshape([BLOCK_N, 8, 64]).load(L3)  # block 7: zero-filled bytes
+    which does not tell the column slices of one buffer apart). ``codes3``, ``rope16``: the slot's
+    views (``_rows_3d``). Block 7 is the rope (broadcast over the block lanes, selected by ``where``)."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
+    code = codes3.load(L3)  # block 7: zero-filled bytes
     sbyte = scl_buf.load(gl.SliceLayout(2, L3))  # [BLOCK_N, 8] (byte 7: the pad)
     scale = (sbyte.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)
     if DECODE == 4:
@@ -180,7 +187,7 @@ def _decode_block_3d(codes_buf, rope_buf, scl_buf, e_buf, start, W, widx_row, sw
         bits = ((c & 0x80) << 8) | ((c & 0x7F) << 4)
         val = bits.to(gl.bfloat16, bitcast=True) * gl.full([BLOCK_N, 8, 64], 2.0**120, gl.bfloat16, L3)
     val = val * gl.expand_dims(scale, 2)
-    rope = rope_buf._reinterpret(gl.bfloat16, [BLOCK_N, 64], rope_buf.layout).load(gl.SliceLayout(1, L3))
+    rope = rope16.load(gl.SliceLayout(1, L3))
     blk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     is_rope = gl.expand_dims(gl.expand_dims(blk, 0), 2) == NOPE // 64
     val = gl.where(is_rope, gl.expand_dims(rope, 1), val)
@@ -318,7 +325,8 @@ def sparse_attention_gluon_fp8_kernel(
     cp.wait_group(NUM_STAGES - 1)  # this thread's copies of block 0 landed
     gl.thread_barrier()  # ... every thread's
     if ONE_STORE:
-        _decode_block_3d(codes_ring.index(0), rope_ring.index(0), scl_ring.index(0), e_smem.index(0), lo, W,
+        codes3, rope16 = _rows_3d(codes_ring.index(0), rope_ring.index(0), BLOCK_N)
+        _decode_block_3d(codes3, rope16, scl_ring.index(0), e_smem.index(0), lo, W,
                          widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
     else:
         _decode_block(codes_ring.index(0), rope_ring.index(0), scl_ring.index(0), e_smem.index(0), lo, W, widx_row,
@@ -361,7 +369,8 @@ def sparse_attention_gluon_fp8_kernel(
         # decode block j + 1 (with two buffers: while P @ E[j] runs)
         nslot = (j + 1) % NUM_STAGES
         if ONE_STORE:
-            _decode_block_3d(codes_ring.index(nslot), rope_ring.index(nslot), scl_ring.index(nslot),
+            codes3, rope16 = _rows_3d(codes_ring.index(nslot), rope_ring.index(nslot), BLOCK_N)
+            _decode_block_3d(codes3, rope16, scl_ring.index(nslot),
                              e_smem.index((j + 1) % E_BUFS), lo + (j + 1) * BLOCK_N, W, widx_row, swi_w, kv_row0,
                              skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
         else:
@@ -543,11 +552,15 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
                 DATA_BYTES=DATA_BYTES, SCALE_BYTES=SCALE_BYTES, num_warps=NUM_WARPS)
     if variant == "ws":
         from . import sparse_attention_fp8_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+        if one_store and (one_store % 8 or cfg["BLOCK_N"] % one_store):
+            raise _err(f"variant ws decodes one_store rows at a time: 0 (a 64-channel block at a time) or a "
+                       f"multiple of 8 dividing block_n={cfg['BLOCK_N']}, got {one_store}")
         kernel = ws.sparse_attention_gluon_fp8_ws_kernel
         meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS)
     else:
         kernel = sparse_attention_gluon_fp8_kernel
-        meta.update(E_BUFS=cfg["E_BUFS"], ONE_STORE=int(one_store))
+        meta.update(E_BUFS=cfg["E_BUFS"])
+    meta.update(ONE_STORE=int(one_store))
     launches = [(kernel, (B, splits), args, meta)]
     if splits > 1:
         block_h_c, block_d_c = 16, 128

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .sparse_attention import _entry_index, _epilogue, _split_range
-from .sparse_attention_fp8 import _decode_block, _issue_bytes
+from .sparse_attention_fp8 import _decode_block, _decode_block_3d, _issue_bytes, _rows_3d
 from .sparse_attention_ws import _consumer
 
 __all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS"]
@@ -50,7 +50,7 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
              kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k,
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr):
+             NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr):
     """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
     refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
     memory read)."""
@@ -71,8 +71,16 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
         gl.thread_barrier()  # ... every decoder thread's
         # E slot's previous block (j - E_STAGES) consumed; the first round is free
         mbarrier.wait(empty.index(eslot), ((j // E_STAGES) + 1) & 1, pred=j >= E_STAGES)
-        _decode_block(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), e_ring.index(eslot),
-                      lo + j * BLOCK_N, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
+        if ONE_STORE:  # ONE_STORE rows at a time, each decoded whole and stored once
+            codes3, rope16 = _rows_3d(codes_ring.index(slot), rope_ring.index(slot), BLOCK_N)
+            for r in gl.static_range(0, BLOCK_N, ONE_STORE):
+                _decode_block_3d(codes3.slice(r, ONE_STORE), rope16.slice(r, ONE_STORE),
+                                 scl_ring.index(slot).slice(r, ONE_STORE), e_ring.index(eslot).slice(r, ONE_STORE),
+                                 lo + j * BLOCK_N + r, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE,
+                                 ONE_STORE, DECODE)
+        else:
+            _decode_block(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), e_ring.index(eslot),
+                          lo + j * BLOCK_N, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
         fence_async_shared()  # the decoded rows (plain stores) visible to the wgmma (async proxy) ...
         gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
         mbarrier.arrive(full.index(eslot))
@@ -101,7 +109,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     E_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
-    SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr,
+    SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
 ):
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 1)
@@ -147,7 +155,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
                      scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
-                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE)),
+                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE)),
     ], [DECODER_WARPS], [DECODER_REGS])
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
               so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
