@@ -229,10 +229,11 @@ def run_case(B: int, mode: str, failures: list) -> None:
 SWEEP_CONFIGS = [(32, 2, 0), (32, 3, 0), (32, 4, 0), (32, 5, 0), (64, 2, 0), (32, 4, 1), (64, 2, 1)]
 # ws: (NUM_STAGES byte blocks, E_STAGES decoded blocks of 32 rows, ONE_STORE rows decoded and stored at once
 # (0: a 64-channel block at a time), the decoder's registers); 32 x 3 x 3 is 230,656 B of 232,448
-SWEEP_CONFIGS_WS = [(2, 3, 0, 96), (3, 2, 0, 96), (2, 3, 8, 96), (2, 3, 16, 96), (2, 3, 8, 112), (2, 3, 16, 112),
-                    (3, 2, 8, 112), (3, 2, 16, 112), (1, 3, 16, 112), (4, 2, 16, 112)]
+# (L3_ROW: the 3D decode's layout keeps a row's 8 blocks in one thread; session 21's second sweep ran without it)
+SWEEP_CONFIGS_WS = [(2, 3, 16, 112, True), (2, 3, 16, 112, False), (1, 3, 16, 112, True), (3, 2, 16, 112, True),
+                    (2, 3, 32, 128, True), (2, 3, 0, 96, False)]
 variants = list(VARIANTS)  # main() sets it from --variants
-DECODER_REGS = ws.DECODER_REGS  # the default, restored after the sweep
+DECODER_REGS, L3_ROW = ws.DECODER_REGS, ws.L3_ROW  # the defaults, restored after the sweep
 
 
 def sweep(B: int, mode: str, failures: list) -> None:
@@ -247,13 +248,14 @@ def sweep(B: int, mode: str, failures: list) -> None:
         configs += [(f"v0 BLOCK_N={n} NUM_STAGES={st} ONE_STORE={one}",
                      dict(variant="v0", block_n=n, num_stages=st, one_store=one)) for n, st, one in SWEEP_CONFIGS]
     if "ws" in variants:
-        configs += [(f"ws BLOCK_N=32 NUM_STAGES={st} E_STAGES={e} ONE_STORE={one} DECODER_REGS={regs}",
-                     dict(variant="ws", num_stages=st, e_bufs=e, one_store=one, decoder_regs=regs))
-                    for st, e, one, regs in SWEEP_CONFIGS_WS]
+        configs += [(f"ws BLOCK_N=32 NUM_STAGES={st} E_STAGES={e} ONE_STORE={one} DECODER_REGS={regs} L3_ROW={row}",
+                     dict(variant="ws", num_stages=st, e_bufs=e, one_store=one, decoder_regs=regs, l3_row=row))
+                    for st, e, one, regs, row in SWEEP_CONFIGS_WS]
     for label, base in configs:
         for splits in (1, 2):
             cfg = dict(base, num_splits=splits)
             ws.DECODER_REGS = cfg.pop("decoder_regs", DECODER_REGS)  # read by the launcher at each call
+            ws.L3_ROW = cfg.pop("l3_row", L3_ROW)
             name = f"sweep {mode} B={B} {label} splits={splits}"
             try:
                 fn = gluon_fn(**cfg)
@@ -268,7 +270,7 @@ def sweep(B: int, mode: str, failures: list) -> None:
             if flag:
                 failures.append(f"{name}: err {e:.4g}")
             log(f"{name}: gluon_us={us:.1f} err_gluon={e:.3g}{flag}")
-    ws.DECODER_REGS = DECODER_REGS
+    ws.DECODER_REGS, ws.L3_ROW = DECODER_REGS, L3_ROW
 
 
 def main() -> int:

@@ -27,24 +27,27 @@ ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
 SMEM_LIMIT = 232448
 # known stack bytes of the non-default configs (at most this many); the defaults: none
-SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_mode1_split1": 8, "ws_split1_e3": 8}
+SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_split1_s3_e3": 8}
 CONFIGS = {
-    "split1": dict(num_splits=1),  # the default: 32-row blocks x 4 stages, two decoded buffers
-    "split2": dict(num_splits=2),
+    # variant v0 (the session-13 reader, decode in the MMA warps)
+    "split1": dict(variant="v0", num_splits=1),  # 32-row blocks x 4 stages, two decoded buffers
+    "split2": dict(variant="v0", num_splits=2),
     # 64-row blocks x 2 stages, one decoded buffer (a sweep config): at splits 2 it spills 16 B
     # of stack (checked as such: SPILLS)
-    "split1_n64": dict(num_splits=1, block_n=64, num_stages=2),
-    "split2_n64": dict(num_splits=2, block_n=64, num_stages=2),
-    "mode1_split1": dict(num_splits=1, mode=1),
-    "mode1_split2": dict(num_splits=2, mode=1),
+    "split1_n64": dict(variant="v0", num_splits=1, block_n=64, num_stages=2),
+    "split2_n64": dict(variant="v0", num_splits=2, block_n=64, num_stages=2),
+    "mode1_split1": dict(variant="v0", num_splits=1, mode=1),
+    "mode1_split2": dict(variant="v0", num_splits=2, mode=1),
     # the decode's one-store variant (a sweep option: fewer barriers, a few spilled registers)
-    "split1_onestore": dict(num_splits=1, one_store=1),
+    "split1_onestore": dict(variant="v0", num_splits=1, one_store=1),
     # variant ws (sparse_attention_fp8_ws.py): decoder warps beside the MMA warps; its default
-    # (32-row blocks, 4 byte blocks, 2 decoded blocks) and the deepest decoded ring that fits
+    # (32-row blocks, 2 byte blocks, 3 decoded blocks, 16 rows decoded at once in mode 2, a 64-channel
+    # block at a time in mode 1), the per-block decode in mode 2, the deepest rings that fit
     "ws_split1": dict(num_splits=1, variant="ws"),
     "ws_split2": dict(num_splits=2, variant="ws"),
     "ws_mode1_split1": dict(num_splits=1, variant="ws", mode=1),
-    "ws_split1_e3": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=3),
+    "ws_split1_per_block": dict(num_splits=1, variant="ws", one_store=0),
+    "ws_split1_s3_e3": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=3),
 }
 
 

@@ -97,3 +97,31 @@ def test_the_variant_switch_picks_a_known_kernel():
         ga.gluon_config(64, 640, num_stages=1)
     with pytest.raises(ValueError, match="variant must be one of"):
         ga.gluon_config(64, 640, variant="v9")
+
+
+def test_the_fp8_variant_switch_picks_a_known_reader():
+    """``DSV4_OPS_GLUON_FP8_VARIANT`` names the FP8 reader the route launches; unset, the
+    launcher's default (ws); every variant's default config fits shared memory, and what the
+    launcher refuses is named."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    from lowering.gluon import sparse_attention_fp8 as gf
+    code = "from dsv4_ops.ops import attention_sm90 as s; print(s.fp8_variant)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, sm90.FP8_VARIANT_ENV: "v0"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "v0"
+    assert sm90.fp8_variant is None and gf.DEFAULT_VARIANT == "ws"
+    for name, (block_n, stages, bufs) in gf.VARIANTS.items():
+        cfg = gf.gluon_fp8_config(64, 640, variant=name)
+        assert (cfg["variant"], cfg["BLOCK_N"], cfg["NUM_STAGES"]) == (name, block_n, stages)
+        assert gf.fp8_smem_bytes(cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["E_BUFS"], name) <= gf.SMEM_LIMIT
+    with pytest.raises(ValueError, match="variant must be one of"):
+        gf.gluon_fp8_config(64, 640, variant="v9")
+    with pytest.raises(ValueError, match="variant ws needs e_bufs >= 2"):
+        gf.gluon_fp8_config(64, 640, variant="ws", e_bufs=1)
+    args = _fp8_args()
+    sink = torch.empty(64, device="meta")
+    with pytest.raises(ValueError, match="one_store rows at a time"):
+        gf.gluon_fp8_launch(*args, sink, 0.04, variant="ws", one_store=12)
+    with pytest.raises(ValueError, match=r"needs \d+ B of shared memory"):
+        gf.gluon_fp8_launch(*args, sink, 0.04, variant="ws", num_stages=4, e_bufs=3)

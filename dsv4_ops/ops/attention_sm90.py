@@ -3,8 +3,9 @@
 ``dsv4::sparse_attention`` routes here, while it is traced or run, when :func:`applies`: bf16
 decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
 float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
-(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory; from batch
-``FP8_MIN_BATCH`` on, where the H200 measured it faster than the Triton FP8 kernel). Everything
+(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory, since session 21
+by decoder warps beside the MMA warps, variant ``ws``; from batch ``FP8_MIN_BATCH`` on, where the
+H200 measured the reader faster than the Triton FP8 kernel). Everything
 else -- prefill, other widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels
 have each warpgroup score its own half of a row block, which ``tl`` cannot express
 (BENCHMARKS.md, sessions 12 and 13).

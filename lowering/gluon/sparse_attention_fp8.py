@@ -54,9 +54,14 @@ decoded rows + P ``64 x BLOCK_N x 2`` B + the bias ring and the maxima (the sm_9
 232,448 B). Configs: 32-row blocks, 4 stages, two decoded buffers (~215 KB; the default) or
 64-row blocks, 2 stages, one decoded buffer (~221 KB).
 
-Status: routed from batch 64 on (``dsv4_ops/ops/attention_sm90.py``). H200, session 13 (32 x 4
+Variants (``variant=`` of the launchers, ``VARIANTS``): ``v0``, this module's kernel (the one
+described above), and ``ws`` (``sparse_attention_fp8_ws.py``, the default since session 21): the
+same bytes and decode in 4 decoder warps beside the 8 MMA warps of the bf16 ``ws`` kernel, so the
+decode of one block overlaps the MMAs of the previous ones.
+
+Status: routed from batch 64 on (``dsv4_ops/ops/attention_sm90.py``). H200, v0 (session 13, 32 x 4
 stages, two decoded buffers): CSA 32K B=64 53.3 us against the tl kernel's 57.7, B=128 83.7
-against 97.7; batch 1 22.2 against 20.1. Exact check, GPU tests:
+against 97.7; batch 1 22.2 against 20.1. ws: BENCHMARKS.md, session 21. Exact check, GPU tests:
 ``benchmarks/gluon_fp8_attention_check.py``, ``tests/ops/test_sparse_attention_sm90_fp8.py``;
 cross-compile: ``tests/test_gluon_fp8_cross_compile.py``.
 """
@@ -171,12 +176,15 @@ def _rows_3d(codes_buf, rope_buf, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _decode_block_3d(codes3, rope16, scl_buf, e_buf, start, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi,
-                     FP8: gl.constexpr, NOPE: gl.constexpr, BLOCK_N: gl.constexpr, DECODE: gl.constexpr):
+                     FP8: gl.constexpr, NOPE: gl.constexpr, BLOCK_N: gl.constexpr, DECODE: gl.constexpr,
+                     L3: gl.constexpr):
     """``_decode_block`` as one ``[BLOCK_N, 8, 64]`` tensor and ONE store of the whole row block
     (the per-block stores of ``_decode_block`` each get a CTA barrier from Triton's membar pass,
     which does not tell the column slices of one buffer apart). ``codes3``, ``rope16``: the slot's
-    views (``_rows_3d``). Block 7 is the rope (broadcast over the block lanes, selected by ``where``)."""
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
+    views (``_rows_3d``). Block 7 is the rope (broadcast over the block lanes, selected by ``where``).
+    ``L3``: the tensor's layout (v0: ``L3_LANES``, a warp reads 4 blocks x 64 codes of a row, 8 a
+    lane, so the row's 512 bytes come without bank conflicts; the ws decoder: ``L3_ROW``, a row's
+    8 blocks in one thread's registers, which folds the rope's ``where`` away at compile time)."""
     code = codes3.load(L3)  # block 7: zero-filled bytes
     sbyte = scl_buf.load(gl.SliceLayout(2, L3))  # [BLOCK_N, 8] (byte 7: the pad)
     scale = (sbyte.to(gl.int16) << 7).to(gl.bfloat16, bitcast=True)
@@ -324,10 +332,11 @@ def sparse_attention_gluon_fp8_kernel(
     # block 0: decoded before the loop
     cp.wait_group(NUM_STAGES - 1)  # this thread's copies of block 0 landed
     gl.thread_barrier()  # ... every thread's
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])  # ONE_STORE's (L3_LANES)
     if ONE_STORE:
         codes3, rope16 = _rows_3d(codes_ring.index(0), rope_ring.index(0), BLOCK_N)
         _decode_block_3d(codes3, rope16, scl_ring.index(0), e_smem.index(0), lo, W,
-                         widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
+                         widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE, L3)
     else:
         _decode_block(codes_ring.index(0), rope_ring.index(0), scl_ring.index(0), e_smem.index(0), lo, W, widx_row,
                       swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
@@ -372,7 +381,7 @@ def sparse_attention_gluon_fp8_kernel(
             codes3, rope16 = _rows_3d(codes_ring.index(nslot), rope_ring.index(nslot), BLOCK_N)
             _decode_block_3d(codes3, rope16, scl_ring.index(nslot),
                              e_smem.index((j + 1) % E_BUFS), lo + (j + 1) * BLOCK_N, W, widx_row, swi_w, kv_row0,
-                             skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
+                             skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE, L3)
         else:
             _decode_block(codes_ring.index(nslot), rope_ring.index(nslot), scl_ring.index(nslot),
                           e_smem.index((j + 1) % E_BUFS), lo + (j + 1) * BLOCK_N, W, widx_row, swi_w, kv_row0, skv_n,
@@ -403,8 +412,8 @@ def fp8_smem_bytes(block_n: int, num_stages: int, e_bufs: int, variant: str = "v
 
 # variant -> (BLOCK_N, NUM_STAGES byte blocks, decoded buffers or None: two when they fit) unless told.
 # v0: the session-13 kernel; ws: sparse_attention_fp8_ws.py (decoder warps beside the MMA warps)
-VARIANTS = {"v0": (32, 4, None), "ws": (32, 4, 2)}
-DEFAULT_VARIANT = "v0"
+VARIANTS = {"v0": (32, 4, None), "ws": (32, 2, 3)}
+DEFAULT_VARIANT = "ws"
 
 
 def gluon_fp8_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
@@ -494,7 +503,7 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
 
 
 def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
-                     out=None, e_bufs=None, decode=4, one_store=ONE_STORE_DEFAULT, variant=DEFAULT_VARIANT):
+                     out=None, e_bufs=None, decode=4, one_store=None, variant=DEFAULT_VARIANT):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
     ``combine_kernel``; the cross-compile test compiles these without a GPU."""
     fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
@@ -552,14 +561,19 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
                 DATA_BYTES=DATA_BYTES, SCALE_BYTES=SCALE_BYTES, num_warps=NUM_WARPS)
     if variant == "ws":
         from . import sparse_attention_fp8_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+        if one_store is None:  # mode 1 loads window rows inside the decode: the 3D decode spills there
+            one_store = ws.ONE_STORE_ROWS if fp8 == 2 else 0
         if one_store and (one_store % 8 or cfg["BLOCK_N"] % one_store):
             raise _err(f"variant ws decodes one_store rows at a time: 0 (a 64-channel block at a time) or a "
                        f"multiple of 8 dividing block_n={cfg['BLOCK_N']}, got {one_store}")
+        meta.update(L3_ROW=ws.L3_ROW)
         kernel = ws.sparse_attention_gluon_fp8_ws_kernel
         meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS)
     else:
         kernel = sparse_attention_gluon_fp8_kernel
         meta.update(E_BUFS=cfg["E_BUFS"])
+        if one_store is None:
+            one_store = ONE_STORE_DEFAULT
     meta.update(ONE_STORE=int(one_store))
     launches = [(kernel, (B, splits), args, meta)]
     if splits > 1:
@@ -572,7 +586,7 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
 
 def sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
                                block_n=None, num_stages=None, out=None, e_bufs=None, decode=4,
-                               one_store=ONE_STORE_DEFAULT, variant=DEFAULT_VARIANT) -> torch.Tensor:
+                               one_store=None, variant=DEFAULT_VARIANT) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode over FP8 caches at
     V4-Flash widths (H = 64, D = 512, S = 1; FP8 mode 2: FP8 window and pool pages, mode 1: bf16
     window rows and an FP8 pool); ValueError for anything else."""

@@ -39,10 +39,17 @@ from .sparse_attention import _entry_index, _epilogue, _split_range
 from .sparse_attention_fp8 import _decode_block, _decode_block_3d, _issue_bytes, _rows_3d
 from .sparse_attention_ws import _consumer
 
-__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS"]
+__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW"]
 
+# 4 decoder warps: 8 leave ptxas 128 registers a thread for the whole kernel, too few for the MMA warps
 DECODER_WARPS = 4
-DECODER_REGS = 96  # 80 spills 24 B of stack (cross-compile)
+DECODER_REGS = 112
+# FP8 mode 2: rows decoded as one [16, 8, 64] tensor and stored at once (0: a 64-channel block at a
+# time, a membar CTA barrier before each store); 16 is the fewest rows 4 warps hold without duplicates
+ONE_STORE_ROWS = 16
+# the 3D decode's layout keeps a row's 8 blocks in one thread: the rope's where folds away (-19% of
+# the decoder loop's instructions in the sm_90 SASS: 964 against 1187 a 32-row block)
+L3_ROW = True
 
 
 @gluon.jit
@@ -50,12 +57,18 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
              kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k,
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr):
+             NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr,
+             L3_ROW: gl.constexpr):
     """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
     refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
     memory read)."""
     codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    # the 3D decode's layout: L3_ROW, a row's 8 blocks of 8 channels in one thread (the rope's where
+    # folds away), or L3_LANES (v0's: a warp reads 4 blocks x 64 codes of a row)
+    L3_rows: gl.constexpr = gl.BlockedLayout([1, 8, 8], [4, 1, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
+    L3_lanes: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
+    L3: gl.constexpr = L3_rows if L3_ROW else L3_lanes
     v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
     idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     for st in gl.static_range(NUM_STAGES):
@@ -77,7 +90,7 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
                 _decode_block_3d(codes3.slice(r, ONE_STORE), rope16.slice(r, ONE_STORE),
                                  scl_ring.index(slot).slice(r, ONE_STORE), e_ring.index(eslot).slice(r, ONE_STORE),
                                  lo + j * BLOCK_N + r, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE,
-                                 ONE_STORE, DECODE)
+                                 ONE_STORE, DECODE, L3)
         else:
             _decode_block(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), e_ring.index(eslot),
                           lo + j * BLOCK_N, W, widx_row, swi_w, kv_row0, skv_n, N_KV, hi, FP8, NOPE, BLOCK_N, DECODE)
@@ -110,6 +123,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     E_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
+    L3_ROW: gl.constexpr = False,
 ):
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 1)
@@ -155,7 +169,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
                      scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
-                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE)),
+                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW)),
     ], [DECODER_WARPS], [DECODER_REGS])
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
               so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
