@@ -4,8 +4,9 @@
 decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
 float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
 (``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory, since session 21
-by decoder warps beside the MMA warps, variant ``ws``; from batch ``FP8_MIN_BATCH`` on, where the
-H200 measured the reader faster than the Triton FP8 kernel). Everything
+by decoder warps beside the MMA warps, variant ``ws``; FP8 window pages from batch ``FP8_MIN_BATCH``
+on and a bf16 window ring over an FP8 pool from ``FP8_FLOAT_WINDOW_MIN_BATCH`` on, where the H200
+measured the reader faster than the Triton FP8 kernel). Everything
 else -- prefill, other widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels
 have each warpgroup score its own half of a row block, which ``tl`` cannot express
 (BENCHMARKS.md, sessions 12 and 13).
@@ -42,9 +43,12 @@ variant = os.environ.get(VARIANT_ENV, "").strip() or None  # None: the launcher'
 # the FP8 reader's (lowering/gluon/sparse_attention_fp8.py VARIANTS), likewise
 FP8_VARIANT_ENV = "DSV4_OPS_GLUON_FP8_VARIANT"
 fp8_variant = os.environ.get(FP8_VARIANT_ENV, "").strip() or None
-# FP8 caches take the Gluon reader from this batch on: the H200 measured it faster at 64 and 128
-# (CSA 32K: 53.4 against 57.9 us, 82.9 against 97.3) and slower at 1 (22.2 against 20.1; session 13)
-FP8_MIN_BATCH = 64
+# FP8 caches take the Gluon reader from these batches on (H200, session 21, the ws reader; the
+# model's kv_cache_dtype="fp8" pages its window too): FP8 window pages from batch 1 (CSA 32K B=1
+# 19.2 against the Triton kernel's 20.3 us, a dense prefix 83.8 against 121.1; B=64 44.0 against
+# 57.6), a bf16 window ring from 64 (B=1 23.4 against 22.8; B=64 57.7 against 71.2)
+FP8_MIN_BATCH = 1
+FP8_FLOAT_WINDOW_MIN_BATCH = 64
 # eager / tracing invocations of the kernel launcher (a CUDA-graph replay runs no Python)
 stats = {"launches": 0}
 
@@ -78,7 +82,8 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
         return False
     if _fp8_caches(kv, cmp):  # FP8 pages (FlashMLA's MODEL1 layout), the window FP8 or bf16
         from ..lowering.gluon.sparse_attention_fp8 import serves
-        return B >= FP8_MIN_BATCH and serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
+        min_batch = FP8_MIN_BATCH if kv.dtype == torch.uint8 else FP8_FLOAT_WINDOW_MIN_BATCH
+        return B >= min_batch and serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
     return (kv.dim() == 3 and cmp.dim() == 3 and kv.dtype == cmp.dtype == torch.bfloat16
             and kv.shape[1] + cmp.shape[1] > 0)
 

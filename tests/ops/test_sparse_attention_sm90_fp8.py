@@ -79,19 +79,24 @@ def variant(request, monkeypatch):
 
 @pytest.fixture
 def any_batch(monkeypatch):
-    """The route from batch 1 on (its default starts at ``FP8_MIN_BATCH``): the kernel's edge
-    cases are small batches."""
+    """The route from batch 1 on for both FP8 modes (a bf16 window ring's default starts at
+    ``FP8_FLOAT_WINDOW_MIN_BATCH``): the kernel's edge cases are small batches."""
     monkeypatch.setattr(sm90, "FP8_MIN_BATCH", 1)
+    monkeypatch.setattr(sm90, "FP8_FLOAT_WINDOW_MIN_BATCH", 1)
 
 
-def test_small_batches_keep_the_triton_kernel_and_large_ones_take_the_gluon_reader(tol):
-    """The default rule: below ``FP8_MIN_BATCH`` (where the H200 measured the Triton FP8 kernel
-    faster) the Triton kernel, from it on the Gluon reader; both equal the oracle."""
-    for B, routed in ((sm90.FP8_MIN_BATCH - 1, False), (sm90.FP8_MIN_BATCH, True)):
-        args = fp8_inputs(B=B, Nc=256, K=64, seed=B)
+def test_fp8_pages_take_the_gluon_reader_from_batch_1_and_a_float_window_from_64(tol):
+    """The default rule: FP8 window pages from ``FP8_MIN_BATCH`` (1) on; a bf16 window ring over an
+    FP8 pool below ``FP8_FLOAT_WINDOW_MIN_BATCH`` keeps the Triton kernel (the H200 measured it
+    faster there), from it on the Gluon reader; all equal the oracle."""
+    assert sm90.FP8_MIN_BATCH == 1
+    cases = [(1, False, True), (sm90.FP8_FLOAT_WINDOW_MIN_BATCH - 1, True, False),
+             (sm90.FP8_FLOAT_WINDOW_MIN_BATCH, True, True)]
+    for B, float_window, routed in cases:
+        args = fp8_inputs(B=B, Nc=256, K=64, seed=B, float_window=float_window)
         before = sm90.stats["launches"]
         out = dsv4_ops.sparse_attention(*args)
-        assert (sm90.stats["launches"] == before + 1) is routed, B
+        assert (sm90.stats["launches"] == before + 1) is routed, (B, float_window)
         torch.testing.assert_close(out.double(), oracle(*dequantised(args)), **tol(torch.bfloat16))
 
 
