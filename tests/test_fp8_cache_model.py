@@ -239,11 +239,15 @@ def test_fp8_cache_at_v4_attention_widths_matches_the_fp8_reference(dtype, bound
                         kv_cache_dtype=kv_cache_dtype)
         return torch.stack([gen.prefill(prompts)] + [gen.decode(feed[t]) for t in range(len(feed))], 1).float()
 
-    fp8_logits = run("fp8")
+    # the Triton kernels on both sides (not the sm_90 Gluon route, which serves FP8 pages from batch 1
+    # since session 21): the same 32-row blocks, so the bf16 rounding of P is the same (BENCHMARKS.md,
+    # session 11), and what is compared is the cache's numerics, not two kernels' rounding, which
+    # these logits amplify (session 20). The Gluon FP8 reader inside this model: tests/ops/
+    # test_sparse_attention_sm90_fp8.py, call by call against the Triton kernel
+    with sm90.disabled():
+        fp8_logits = run("fp8")
     m.simulate_fp8_cache(True)
     try:
-        # the Triton kernel on the float cache too (not the sm_90 Gluon route): the same 32-row
-        # blocks as the FP8 kernel, so the bf16 rounding of P is the same (BENCHMARKS.md, session 11)
         with sm90.disabled():
             want = run("auto")
     finally:
