@@ -59,9 +59,10 @@ described above), and ``ws`` (``sparse_attention_fp8_ws.py``, the default since 
 same bytes and decode in 4 decoder warps beside the 8 MMA warps of the bf16 ``ws`` kernel, so the
 decode of one block overlaps the MMAs of the previous ones.
 
-Status: routed from batch 64 on (``dsv4_ops/ops/attention_sm90.py``). H200, v0 (session 13, 32 x 4
-stages, two decoded buffers): CSA 32K B=64 53.3 us against the tl kernel's 57.7, B=128 83.7
-against 97.7; batch 1 22.2 against 20.1. ws: BENCHMARKS.md, session 21. Exact check, GPU tests:
+Status: routed (``dsv4_ops/ops/attention_sm90.py``) for FP8 window pages from batch 1 on, for a bf16
+window ring from batch 64 on. H200, v0 (session 13, 32 x 4 stages, two decoded buffers): CSA 32K
+B=64 53.3 us against the tl kernel's 57.7, B=128 83.7 against 97.7; batch 1 22.2 against 20.1.
+ws (session 21): B=1 19.2 against 20.3, B=64 44.0, B=128 72.0 (BENCHMARKS.md, session 21). Exact check, GPU tests:
 ``benchmarks/gluon_fp8_attention_check.py``, ``tests/ops/test_sparse_attention_sm90_fp8.py``;
 cross-compile: ``tests/test_gluon_fp8_cross_compile.py``.
 """

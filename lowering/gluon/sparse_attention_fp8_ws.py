@@ -27,6 +27,12 @@ pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks
 
 Shared memory: q 64 KB + ``E_STAGES x BLOCK_N`` KB of decoded rows + ``NUM_STAGES x BLOCK_N x 648`` B
 of raw bytes + P ``64 x BLOCK_N x 2`` B + the maxima (``fp8_smem_bytes``).
+
+Status (H200, session 21; BENCHMARKS.md): the default FP8 reader. Bit for bit v0's values; CSA 32K
+B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4). The
+decoder is the limit (a 32-row block takes ~3.6 us against ~2.4 for the bf16 ws kernel's cp.async
+producer; the byte ring's depth does not matter): its loop is 965 SASS instructions a block, ~700 of
+them the decode, run by one warp per SM sub-partition.
 """
 from __future__ import annotations
 
