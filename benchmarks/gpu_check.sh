@@ -77,6 +77,8 @@
 #   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
 #             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
 #             + where the samples fall (benchmarks/ncu_summary.py)
+#   ncu-gluon = the same for the routed Gluon attentions (bf16 ws and FP8 ws, CSA B=128 x 32K, the public op;
+#             benchmarks/ncu_gluon.py): details page, SASS CSV and its summary (40 instructions a kernel)
 # Every mode tees its log into $OUT (or ./out) next to its JSON; $OUT/gpu.txt names the machine. The device
 # tool returns at most 8 files per call: `tests bench` (5 files) or `spec profile` (5) fit; `ops` adds 4.
 # One device call runs at most 10 minutes. Commit each run's logs under benchmarks/results/ (h200_<what>.log).
@@ -231,6 +233,16 @@ for what in "$@"; do
          python3 benchmarks/ncu_summary.py "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
          grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
+    ncu-gluon) # the routed Gluon attentions (bf16 ws, FP8 ws) at B=128 x 32K, CSA: stall reasons per instruction
+         ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip 2 --launch-count 2 --set full \
+             --import-source no -f -o "$OUT/ncu_gluon" python3 benchmarks/ncu_gluon.py > "$OUT/ncu_gluon.log" 2>&1 \
+             || { rc=1; tail -20 "$OUT/ncu_gluon.log"; }
+         ncu -i "$OUT/ncu_gluon.ncu-rep" --page details > "$OUT/ncu_gluon_details.txt" 2>&1
+         ncu -i "$OUT/ncu_gluon.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_gluon_sass.csv.gz"
+         python3 benchmarks/ncu_summary.py --top 40 "$OUT/ncu_gluon_sass.csv.gz" > "$OUT/ncu_gluon_summary.txt" || rc=1
+         grep -e "sparse_attention_gluon" -e "Duration" -e "Memory Throughput" -e "DRAM Throughput" \
+              -e "Compute (SM) Throughput" -e "Registers Per" -e "Shared Memory Configuration Size" \
+              "$OUT/ncu_gluon_details.txt" | head -40 ;;
     tp) n=$(nvidia-smi -L | wc -l)
         if [ "$n" -lt 2 ]; then echo "tp needs 2 GPUs, this machine has $n"; rc=1; continue; fi
         { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
@@ -244,7 +256,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu|ncu-gluon)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -94,6 +94,21 @@ ONE_STORE_DEFAULT = 0
 
 
 @gluon.jit
+def _entry_offsets(i, PAGE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr):
+    """Byte offsets of entries ``i`` (>= 0) from their token's first page, in a cache of contiguous
+    pages under 2^31 bytes a token (``_fp8_cache`` checks both; ``serves`` leaves other caches to the
+    Triton kernel): the 576 data
+    bytes and the 8 scale bytes in the page footer. Unsigned 32-bit with constant strides (a shift and
+    a mask for a power-of-two page): every lane of a row issues its copies, so this runs 8 times a
+    block in each decoder thread."""
+    u = i.to(gl.uint32)
+    page = u // PAGE
+    t = u - page * PAGE
+    base = page * (PAGE * (DATA_BYTES + SCALE_BYTES))
+    return base + t * DATA_BYTES, base + PAGE * DATA_BYTES + t * SCALE_BYTES
+
+
+@gluon.jit
 def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0,
                  sc_n, FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr,
                  NOPE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
@@ -108,21 +123,19 @@ def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_ro
     valid = (v < hi) & (idx >= 0) & (idx < gl.where(in_w, N_KV, N_CMP))
     if FP8 == 2:
         lane8 = valid
-        page = gl.where(in_w, idx // KV_PAGE, idx // CMP_PAGE)
-        t = gl.where(in_w, idx % KV_PAGE, idx % CMP_PAGE)
-        page = gl.where(lane8, page, 0).to(gl.int64)
-        t = gl.where(lane8, t, 0)
-        pbase = gl.where(in_w, kv_row0 + page * skv_n, cmp_row0 + page * sc_n)
-        footer = gl.where(in_w, KV_PAGE * DATA_BYTES, CMP_PAGE * DATA_BYTES)
+        i8 = gl.where(lane8, idx, 0)
+        # each segment's offsets whole, then a select: selecting the page size first turns both
+        # divisions by a constant into one by a register (a ~25-instruction integer division a row)
+        data_w, scl_w = _entry_offsets(i8, KV_PAGE, DATA_BYTES, SCALE_BYTES)
+        data_c, scl_c = _entry_offsets(i8, CMP_PAGE, DATA_BYTES, SCALE_BYTES)
+        row0 = gl.where(in_w, kv_row0, cmp_row0)
+        data = row0 + gl.where(in_w, data_w, data_c)
+        scl = row0 + gl.where(in_w, scl_w, scl_c)
     else:
         lane8 = valid & (v >= W)
-        i8 = gl.where(lane8, idx, 0)
-        page = (i8 // CMP_PAGE).to(gl.int64)
-        t = i8 % CMP_PAGE
-        pbase = cmp_row0 + page * sc_n
-        footer = CMP_PAGE * DATA_BYTES
-    data = pbase + t * DATA_BYTES
-    scl = pbase + footer + t * SCALE_BYTES
+        data_c, scl_c = _entry_offsets(gl.where(lane8, idx, 0), CMP_PAGE, DATA_BYTES, SCALE_BYTES)
+        data = cmp_row0 + data_c
+        scl = cmp_row0 + scl_c
     # the codes: a power-of-two tile [BLOCK_N, 512]; columns NOPE.. zero-filled (no read)
     offs_c = gl.arange(0, 512, layout=gl.SliceLayout(0, codes_l))
     m_c = gl.convert_layout(lane8, gl.SliceLayout(1, codes_l), assert_trivial=True)
@@ -451,6 +464,11 @@ def _fp8_cache(name: str, t: torch.Tensor) -> int:
                    f"got {t.shape[3]}")
     if t.stride(3) != 1 or t.stride(2) != ENTRY_BYTES or t.stride(1) != t.shape[2] * ENTRY_BYTES:
         raise _err(f"{name}: each page must be contiguous, got strides {t.stride()}")
+    # the decoder addresses a token's pages by unsigned 32-bit offsets (_entry_offsets)
+    if t.shape[1] * t.shape[2] * ENTRY_BYTES >= 2**31:
+        raise _err(f"{name}: a token's {t.shape[1]} pages of {t.shape[2]} entries span "
+                   f"{t.shape[1] * t.shape[2] * ENTRY_BYTES} bytes; the reader addresses them in 32 bits "
+                   f"(fewer than 2^31 bytes a token)")
     # 16-byte cp.async of the codes: every entry on a 16-byte boundary
     if t.storage_offset() % 16 or t.stride(0) % 16 or t.stride(1) % 16:
         raise _err(f"{name}: pages must be 16-byte aligned (storage offset {t.storage_offset()}, strides "

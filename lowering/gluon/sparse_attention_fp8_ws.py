@@ -28,11 +28,12 @@ pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks
 Shared memory: q 64 KB + ``E_STAGES x BLOCK_N`` KB of decoded rows + ``NUM_STAGES x BLOCK_N x 648`` B
 of raw bytes + P ``64 x BLOCK_N x 2`` B + the maxima (``fp8_smem_bytes``).
 
-Status (H200, session 21; BENCHMARKS.md): the default FP8 reader. Bit for bit v0's values; CSA 32K
-B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4). The
-decoder is the limit (a 32-row block takes ~3.6 us against ~2.4 for the bf16 ws kernel's cp.async
-producer; the byte ring's depth does not matter): its loop is 965 SASS instructions a block, ~700 of
-them the decode, run by one warp per SM sub-partition.
+Status (H200; BENCHMARKS.md, sessions 21 and 22): the default FP8 reader, bit for bit v0's values. Session 21:
+CSA 32K B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4), decoder-bound
+(its loop: 965 SASS instructions a 32-row block, run by one warp per SM sub-partition). Session 22 cut the loop's
+copy issue (``_entry_offsets``: the page arithmetic in unsigned 32 bits, no division by a selected page size) and
+moved each block's index pick an iteration behind its loads (Nsight Compute had 21% of the decoder's stall samples
+on a select waiting for them): 792 instructions, B=1 16.4, B=64 35.5, B=128 58.3 us.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .sparse_attention import _entry_index, _epilogue, _split_range
+from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
 from .sparse_attention_fp8 import _decode_block, _decode_block_3d, _issue_bytes, _rows_3d
 from .sparse_attention_ws import _consumer
 
@@ -59,15 +60,16 @@ L3_ROW = True
 
 
 @gluon.jit
-def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
+def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
              kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k,
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr,
-             L3_ROW: gl.constexpr):
+             L3_ROW: gl.constexpr, NUM_SPLITS: gl.constexpr):
     """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
     refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
     memory read)."""
+    lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, codes_l)
     # the 3D decode's layout: L3_ROW, a row's 8 blocks of 8 channels in one thread (the rope's where
@@ -76,13 +78,14 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
     L3_lanes: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
     L3: gl.constexpr = L3_rows if L3_ROW else L3_lanes
     v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
-    idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     for st in gl.static_range(NUM_STAGES):
-        _issue_bytes(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, idx, hi, W, N_KV, N_CMP,
-                     kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
+        _issue_bytes(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v,
+                     _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8,
+                     KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
         cp.commit_group()
         v = v + BLOCK_N
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         eslot = j % E_STAGES
@@ -103,12 +106,13 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blo
         fence_async_shared()  # the decoded rows (plain stores) visible to the wgmma (async proxy) ...
         gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
         mbarrier.arrive(full.index(eslot))
-        _issue_bytes(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, idx, hi, W, N_KV,
-                     N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
-                     BLOCK_N)
+        # this block's indices were loaded an iteration ago, so picking them waits for nothing
+        _issue_bytes(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v,
+                     _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8,
+                     KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
         cp.commit_group()
         v = v + BLOCK_N
-        idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # in flight through the next decode
     cp.wait_group(0)  # no copy may outlive the program's shared memory
 
 
@@ -164,18 +168,19 @@ def sparse_attention_gluon_fp8_ws_kernel(
         mbarrier.init(full.index(st), count=1)  # one arrival once every decoder thread has fenced
         mbarrier.init(empty.index(st), count=1)
 
-    lo, hi, n_blocks = _split_range(cmp_len_ptr + b * scl_b, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
+    cmp_len_row = cmp_len_ptr + b * scl_b  # each partition reads its split's range (as the bf16 ws kernel)
     kv_row0 = kv_ptr + b * skv_b
     cmp_row0 = cmp_ptr + b * sc_b
     widx_row = kv_idx_ptr + b * swi_b
     cidx_row = cmp_idx_ptr + b * sci_b
 
     acc, m_i, l_i = gl.warp_specialize([
-        (_consumer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, red_smem, full, empty, lo, hi, n_blocks,
-                     scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES)),
-        (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, lo, hi, n_blocks, W, K, N_KV, N_CMP,
+        (_consumer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp,
+                     scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES,
+                     NUM_SPLITS)),
+        (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
-                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW)),
+                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS)),
     ], [DECODER_WARPS], [DECODER_REGS])
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
               so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
