@@ -281,8 +281,13 @@ def main() -> int:
     ap.add_argument("--sweep-batches", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--no-exact", action="store_true", help="skip the bit-exact decode check")
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    ap.add_argument("--codes-swizzle", type=int, choices=[0, 1], default=None,
+                    help="ws: the byte ring's rows swizzled against bank conflicts (default: the launcher's CODES_SWIZZLE)")
     args = ap.parse_args()
     variants[:] = args.variants
+    if args.codes_swizzle is not None:
+        ws.CODES_SWIZZLE = bool(args.codes_swizzle)  # read by the launcher at each call
+        log(f"ws CODES_SWIZZLE={ws.CODES_SWIZZLE}")
     if not torch.cuda.is_available():
         log("no CUDA device")
         return 2

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
 SMEM_LIMIT = 232448
 # known stack bytes (at most this many). v0's defaults: none. ws: the decoder warps give their registers
-# back (setmaxnreg down to 24) while they wait at the fork, so ptxas parks two loop invariants computed
-# before it (W + K, the shared memory base) on the stack: 8 B, reloaded from L1 3 times a block (sm_90
-# SASS, session 22); 16-24 B with the deeper ring and mode 1's window loads
-SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_split1": 8, "ws_split1_per_block": 8, "ws_split1_s3_e3": 16,
-          "ws_mode1_split1": 24}
+# back (setmaxnreg down to 24) while they wait at the fork, so ptxas parks loop invariants computed before
+# it (W + K, the shared memory base) on the stack: 16 B, reloaded from L1 twice a block (sm_90 SASS,
+# session 22), 24-32 B with the deeper ring and mode 1's window loads; none at 2 splits
+SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_split1": 16, "ws_split1_per_block": 16, "ws_split1_s3_e3": 24,
+          "ws_mode1_split1": 32, "ws_split1_swizzled": 16}
 CONFIGS = {
     # variant v0 (the session-13 reader, decode in the MMA warps)
     "split1": dict(variant="v0", num_splits=1),  # 32-row blocks x 4 stages, two decoded buffers
@@ -52,6 +52,8 @@ CONFIGS = {
     "ws_mode1_split1": dict(num_splits=1, variant="ws", mode=1),
     "ws_split1_per_block": dict(num_splits=1, variant="ws", one_store=0),
     "ws_split1_s3_e3": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=3),
+    # the byte ring's rows swizzled against the one-store decode's bank conflicts (a measured option)
+    "ws_split1_swizzled": dict(num_splits=1, variant="ws", codes_swizzle=1),
 }
 
 

@@ -109,16 +109,10 @@ def _entry_offsets(i, PAGE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES:
 
 
 @gluon.jit
-def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0,
-                 sc_n, FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr,
-                 NOPE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
-    """cp.async the raw FP8 entries of ``v`` (codes, rope, scales; lanes not FP8-valid: zeros,
-    no memory read) into one ring slot."""
-    # one row a warp (the calling partition's warps: 8 in the v0 kernel, the decoder's in ws)
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
-    scl_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+def _entry_pointers(v, idx, hi, W, N_KV, N_CMP, kv_row0, cmp_row0, FP8: gl.constexpr, KV_PAGE: gl.constexpr,
+                    CMP_PAGE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr):
+    """(data, scales, copied) of entries ``v`` in ``v``'s layout: the addresses of their 576 data bytes
+    and of their 8 footer scale bytes, and which lanes are copied (FP8-valid; the others are zero-filled)."""
     in_w = v < W
     valid = (v < hi) & (idx >= 0) & (idx < gl.where(in_w, N_KV, N_CMP))
     if FP8 == 2:
@@ -136,20 +130,49 @@ def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_ro
         data_c, scl_c = _entry_offsets(gl.where(lane8, idx, 0), CMP_PAGE, DATA_BYTES, SCALE_BYTES)
         data = cmp_row0 + data_c
         scl = cmp_row0 + scl_c
+    return data, scl, lane8
+
+
+@gluon.jit
+def _copy_data_bytes(codes_buf, rope_buf, data, lane8, NOPE: gl.constexpr):
+    """cp.async the codes and rope bytes at ``data`` into one ring slot, one row a warp (the calling
+    partition's warps); rows not copied: zeros, no memory read. ``data``, ``lane8``: any layout
+    (converted to the copies' own)."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [gl.num_warps(), 1], [1, 0])
     # the codes: a power-of-two tile [BLOCK_N, 512]; columns NOPE.. zero-filled (no read)
     offs_c = gl.arange(0, 512, layout=gl.SliceLayout(0, codes_l))
-    m_c = gl.convert_layout(lane8, gl.SliceLayout(1, codes_l), assert_trivial=True)
-    p_c = gl.convert_layout(data, gl.SliceLayout(1, codes_l), assert_trivial=True)
+    m_c = gl.convert_layout(lane8, gl.SliceLayout(1, codes_l))
+    p_c = gl.convert_layout(data, gl.SliceLayout(1, codes_l))
     cp.async_copy_global_to_shared(codes_buf, p_c[:, None] + offs_c[None, :],
                                    mask=m_c[:, None] & (offs_c < NOPE)[None, :])
     offs_r = gl.arange(0, 128, layout=gl.SliceLayout(0, rope_l))
-    m_r = gl.convert_layout(lane8, gl.SliceLayout(1, rope_l), assert_trivial=True)
-    p_r = gl.convert_layout(data, gl.SliceLayout(1, rope_l), assert_trivial=True)
+    m_r = gl.convert_layout(m_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
+    p_r = gl.convert_layout(p_c, gl.SliceLayout(1, rope_l), assert_trivial=True)
     cp.async_copy_global_to_shared(rope_buf, (p_r + NOPE)[:, None] + offs_r[None, :], mask=m_r[:, None])
+
+
+@gluon.jit
+def _copy_scale_bytes(scl_buf, scl, lane8, scl_l: gl.constexpr, SCALE_BYTES: gl.constexpr):
+    """cp.async each row's footer scale bytes at ``scl`` into one ring slot, in ``scl_l`` (rows as ``scl``'s)."""
     offs_s = gl.arange(0, SCALE_BYTES, layout=gl.SliceLayout(0, scl_l))
     m_s = gl.convert_layout(lane8, gl.SliceLayout(1, scl_l), assert_trivial=True)
     p_s = gl.convert_layout(scl, gl.SliceLayout(1, scl_l), assert_trivial=True)
     cp.async_copy_global_to_shared(scl_buf, p_s[:, None] + offs_s[None, :], mask=m_s[:, None])
+
+
+@gluon.jit
+def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0,
+                 sc_n, FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr,
+                 NOPE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """cp.async the raw FP8 entries of ``v`` (codes, rope, scales; lanes not FP8-valid: zeros,
+    no memory read) into one ring slot; ``v`` in the copies' row layout (one row a warp)."""
+    data, scl, lane8 = _entry_pointers(v, idx, hi, W, N_KV, N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE,
+                                       DATA_BYTES, SCALE_BYTES)
+    scl_l: gl.constexpr = gl.BlockedLayout([1, SCALE_BYTES], [1, 32], [gl.num_warps(), 1], [1, 0])
+    _copy_data_bytes(codes_buf, rope_buf, data, lane8, NOPE)
+    _copy_scale_bytes(scl_buf, scl, lane8, scl_l, SCALE_BYTES)
 
 
 @gluon.jit
@@ -522,9 +545,10 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
 
 
 def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, block_n=None, num_stages=None,
-                     out=None, e_bufs=None, decode=4, one_store=None, variant=DEFAULT_VARIANT):
+                     out=None, e_bufs=None, decode=4, one_store=None, variant=DEFAULT_VARIANT, codes_swizzle=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split,
-    ``combine_kernel``; the cross-compile test compiles these without a GPU."""
+    ``combine_kernel``; the cross-compile test compiles these without a GPU. ``codes_swizzle`` (ws, the
+    one-store decode): the byte ring's rows swizzled against bank conflicts (None: ``CODES_SWIZZLE``)."""
     fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
     B, _, H, D = q.shape
     if q.stride(-1) != 1:
@@ -585,7 +609,9 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
         if one_store and (one_store % 8 or cfg["BLOCK_N"] % one_store):
             raise _err(f"variant ws decodes one_store rows at a time: 0 (a 64-channel block at a time) or a "
                        f"multiple of 8 dividing block_n={cfg['BLOCK_N']}, got {one_store}")
-        meta.update(L3_ROW=ws.L3_ROW)
+        if codes_swizzle is None:
+            codes_swizzle = ws.CODES_SWIZZLE
+        meta.update(L3_ROW=ws.L3_ROW, CODES_SWIZZLE=bool(codes_swizzle and one_store))
         kernel = ws.sparse_attention_gluon_fp8_ws_kernel
         meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS)
     else:
@@ -605,12 +631,12 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
 
 def sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
                                block_n=None, num_stages=None, out=None, e_bufs=None, decode=4,
-                               one_store=None, variant=DEFAULT_VARIANT) -> torch.Tensor:
+                               one_store=None, variant=DEFAULT_VARIANT, codes_swizzle=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode over FP8 caches at
     V4-Flash widths (H = 64, D = 512, S = 1; FP8 mode 2: FP8 window and pool pages, mode 1: bf16
     window rows and an FP8 pool); ValueError for anything else."""
     out, launches = gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, block_n,
-                                     num_stages, out, e_bufs, decode, one_store, variant)
+                                     num_stages, out, e_bufs, decode, one_store, variant, codes_swizzle)
     for kernel, grid, args, meta in launches:
         kernel[grid](*args, **meta)
     return out

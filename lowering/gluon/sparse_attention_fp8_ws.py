@@ -19,7 +19,7 @@ Here the two roles run side by side, as in ``sparse_attention_ws.py`` (the bf16 
 - The 8 *consumer* warps are the bf16 ``ws`` kernel's ``_consumer`` unchanged: wait on ``full``,
   scores, the row max exchanged through shared memory, online softmax, ``P @ rows`` left in flight,
   the slot freed once both warpgroups' ``P @ rows`` of that block has completed. Their score bias
-  follows the decoder's copy mask (``_valid``: the same rule as ``_issue_bytes``).
+  follows the decoder's copy mask (``_valid``: the same rule as ``_entry_pointers``).
 
 FP8 modes 2 (FP8 window and pool pages) and 1 (bf16 window rows, loaded by the decoder, and an FP8
 pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks: ``gluon_fp8_launch``
@@ -30,23 +30,29 @@ of raw bytes + P ``64 x BLOCK_N x 2`` B + the maxima (``fp8_smem_bytes``).
 
 Status (H200; BENCHMARKS.md, sessions 21 and 22): the default FP8 reader, bit for bit v0's values. Session 21:
 CSA 32K B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4), decoder-bound
-(its loop: 965 SASS instructions a 32-row block, run by one warp per SM sub-partition). Session 22 cut the loop's
-copy issue (``_entry_offsets``: the page arithmetic in unsigned 32 bits, no division by a selected page size) and
-moved each block's index pick an iteration behind its loads (Nsight Compute had 21% of the decoder's stall samples
-on a select waiting for them): 792 instructions, B=1 16.4, B=64 35.5, B=128 58.3 us.
+(its loop: 965 SASS instructions a 32-row block, run by one warp per SM sub-partition). Session 22 (Nsight Compute
+first, ``benchmarks/ncu_gluon.py``) cut the loop to 530 instructions: the copies' page arithmetic in unsigned
+32 bits with constant strides (``_entry_offsets``; no division by a selected page size), each row's index, address
+and mask computed once in its warp (``_row_lane_layout``, ``_issue_rows``; the 32 lanes of a row used to repeat
+it) and its indices picked an iteration after their loads (21% of the decoder's stall samples were a select
+waiting for them). The byte ring's rows are swizzled (``CODES_SWIZZLE``) against the 4-way bank conflicts of the
+one-store decode's reads. CSA 32K: B=1 15.8, B=64 34.3, B=128 54.1 us.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
-from .sparse_attention_fp8 import _decode_block, _decode_block_3d, _issue_bytes, _rows_3d
+from .sparse_attention_fp8 import (_copy_data_bytes, _copy_scale_bytes, _decode_block, _decode_block_3d,
+                                   _entry_pointers, _rows_3d)
 from .sparse_attention_ws import _consumer
 
-__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW"]
+__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW",
+           "CODES_SWIZZLE"]
 
 # 4 decoder warps: 8 leave ptxas 128 registers a thread for the whole kernel, too few for the MMA warps
 DECODER_WARPS = 4
@@ -57,6 +63,48 @@ ONE_STORE_ROWS = 16
 # the 3D decode's layout keeps a row's 8 blocks in one thread: the rope's where folds away (-19% of
 # the decoder loop's instructions in the sm_90 SASS: 964 against 1187 a 32-row block)
 L3_ROW = True
+# the one-store decode reads a warp's 4 rows at one column offset: 512-byte rows put them in the same banks
+# (Nsight Compute, session 22: 4.1-way conflicts, 18% of the decoder's shared-load wavefronts); swizzled,
+# odd rows swap the 64-byte halves of each 128 bytes, so two rows share a wavefront. H200 (session 22), CSA 32K:
+# B=64 34.3 against 35.3 us, a dense prefix at B=128 507 against 521, B=128 54.1 either way; exact either way
+CODES_SWIZZLE = True
+
+
+@constexpr_function
+def _row_lane_layout(block_n, warps, width):
+    """``[block_n, width]`` with a row's ``width`` bytes in one thread and the rows over the lanes: warp
+    ``w`` holds rows ``w, w + warps, ...`` (the rows it copies: one a warp at a time, as
+    ``_copy_data_bytes``), one a lane; the lanes past ``block_n / warps`` repeat them. A row's address
+    is then computed once in a warp (not in all 32 lanes) and handed to the copying lanes by shuffles."""
+    per_warp = block_n // warps
+    assert per_warp * warps == block_n and per_warp <= 32, (block_n, warps)
+    regs = [[0, 1 << b] for b in range(width.bit_length() - 1)]
+    lanes = [[warps << b, 0] if (1 << b) < per_warp else [0, 0] for b in range(5)]
+    warp_bases = [[1 << b, 0] for b in range(warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, lanes, warp_bases, [], [block_n, width])
+
+
+@constexpr_function
+def _codes_3d_layout(block_n):
+    """The byte slot ``[block_n, 512]`` (``SwizzledSharedLayout(vec=64, max_phase=2)``: odd rows swap the
+    64-byte halves of each 128 bytes) seen as ``[block_n, 8, 64]``: offset bit 9 (row parity) also
+    flips the channel block's bit 0."""
+    bases = [[0, 0, 1 << b] for b in range(6)] + [[0, 1 << b, 0] for b in range(3)] + [[1, 1, 0]]
+    bases += [[1 << b, 0, 0] for b in range(1, block_n.bit_length() - 1)]
+    return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _issue_rows(codes_buf, rope_buf, scl_buf, v, loaded, hi, W, K, N_KV, N_CMP, kv_row0, cmp_row0,
+                FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
+                DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, row_l: gl.constexpr):
+    """``_issue_bytes`` with the rows' indices, addresses and masks computed one row a lane (``v``,
+    ``loaded``: ``SliceLayout(1, row_l)``), the scale bytes copied from there, the codes and rope
+    by the row's warp."""
+    data, scl, lane8 = _entry_pointers(v, _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0,
+                                       cmp_row0, FP8, KV_PAGE, CMP_PAGE, DATA_BYTES, SCALE_BYTES)
+    _copy_scale_bytes(scl_buf, scl, lane8, row_l, SCALE_BYTES)
+    _copy_data_bytes(codes_buf, rope_buf, data, lane8, NOPE)
 
 
 @gluon.jit
@@ -65,24 +113,22 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr,
-             L3_ROW: gl.constexpr, NUM_SPLITS: gl.constexpr):
+             L3_ROW: gl.constexpr, NUM_SPLITS: gl.constexpr, CODES_SWIZZLE: gl.constexpr):
     """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
     refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
     memory read)."""
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, codes_l)
+    row_l: gl.constexpr = _row_lane_layout(BLOCK_N, gl.num_warps(), SCALE_BYTES)
     # the 3D decode's layout: L3_ROW, a row's 8 blocks of 8 channels in one thread (the rope's where
     # folds away), or L3_LANES (v0's: a warp reads 4 blocks x 64 codes of a row)
     L3_rows: gl.constexpr = gl.BlockedLayout([1, 8, 8], [4, 1, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
     L3_lanes: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
     L3: gl.constexpr = L3_rows if L3_ROW else L3_lanes
-    v = lo + gl.arange(0, BLOCK_N, layout=rows_l)
+    v = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, row_l))
     loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     for st in gl.static_range(NUM_STAGES):
-        _issue_bytes(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v,
-                     _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8,
-                     KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
+        _issue_rows(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, loaded, hi, W, K, N_KV, N_CMP,
+                    kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
         loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
@@ -94,7 +140,11 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
         # E slot's previous block (j - E_STAGES) consumed; the first round is free
         mbarrier.wait(empty.index(eslot), ((j // E_STAGES) + 1) & 1, pred=j >= E_STAGES)
         if ONE_STORE:  # ONE_STORE rows at a time, each decoded whole and stored once
-            codes3, rope16 = _rows_3d(codes_ring.index(slot), rope_ring.index(slot), BLOCK_N)
+            if CODES_SWIZZLE:  # the swizzled byte slot seen as [BLOCK_N, 8, 64] (a reshape cannot say it)
+                codes3 = codes_ring.index(slot)._reinterpret(gl.uint8, [BLOCK_N, 8, 64], _codes_3d_layout(BLOCK_N))
+                rope16 = rope_ring.index(slot)._reinterpret(gl.bfloat16, [BLOCK_N, 64], rope_ring.layout)
+            else:
+                codes3, rope16 = _rows_3d(codes_ring.index(slot), rope_ring.index(slot), BLOCK_N)
             for r in gl.static_range(0, BLOCK_N, ONE_STORE):
                 _decode_block_3d(codes3.slice(r, ONE_STORE), rope16.slice(r, ONE_STORE),
                                  scl_ring.index(slot).slice(r, ONE_STORE), e_ring.index(eslot).slice(r, ONE_STORE),
@@ -107,9 +157,8 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
         gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
         mbarrier.arrive(full.index(eslot))
         # this block's indices were loaded an iteration ago, so picking them waits for nothing
-        _issue_bytes(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v,
-                     _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8,
-                     KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
+        _issue_rows(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, loaded, hi, W, K, N_KV,
+                    N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
         loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # in flight through the next decode
@@ -133,7 +182,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     E_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
-    L3_ROW: gl.constexpr = False,
+    L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False,
 ):
     gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 1)
@@ -157,7 +206,11 @@ def sparse_attention_gluon_fp8_ws_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
     e_ring = gl.allocate_shared_memory(gl.bfloat16, [E_STAGES, BLOCK_N, D], e_sl)
-    codes_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 512], flat_sl)
+    if CODES_SWIZZLE:
+        codes_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=64, per_phase=1, max_phase=2, order=[1, 0])
+    else:
+        codes_sl: gl.constexpr = flat_sl
+    codes_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 512], codes_sl)
     rope_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 128], flat_sl)
     scl_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, SCALE_BYTES], flat_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
@@ -180,7 +233,8 @@ def sparse_attention_gluon_fp8_ws_kernel(
                      NUM_SPLITS)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
-                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS)),
+                    DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS,
+                    CODES_SWIZZLE)),
     ], [DECODER_WARPS], [DECODER_REGS])
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
               so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)

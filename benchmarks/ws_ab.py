@@ -1,0 +1,80 @@
+"""A/B of the bf16 warp-specialised Gluon attention against an earlier version of its module, in one process.
+
+    git show REV:lowering/gluon/sparse_attention_ws.py > old_ws.py      # on the checkout, before the device call
+    PYTHONPATH=$PWD python3 benchmarks/ws_ab.py old_ws.py              # on the GPU box
+
+The old file is imported as ``lowering.gluon.sparse_attention_ws_old`` (its relative imports resolve
+against today's ``lowering.gluon.sparse_attention``, so it must still find the helpers it names) and
+swapped in for ``lowering.gluon.sparse_attention_ws`` around each launch; ``sparse_attention_gluon``
+is called directly (``variant="ws"``). Cases: the per-kernel benchmark's V4-Flash inputs
+(``benchmarks/kernel_bench/cases.py``) for HCA and CSA at B = 64, 128. Each is timed by
+``benchmarks/timing.kernel_time`` (CUDA graphs, L2-cold input copies) three times per version,
+alternating, and the outputs of the two versions are compared (max abs difference: 0 when only the
+schedule changed). One line a case: ``... new <best> us [...] old <best> us [...] max|new-old| ...``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import lowering.gluon as gluon_pkg  # noqa: E402
+import lowering.gluon.sparse_attention_ws as new  # noqa: E402
+from benchmarks.kernel_bench import cases as C  # noqa: E402
+from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
+from lowering.gluon import sparse_attention as ga  # noqa: E402
+
+CASES = [("hca", 128, 32768), ("hca", 128, 131072), ("hca", 64, 131072), ("csa", 64, 32768), ("csa", 128, 32768)]
+REPEATS = 3
+
+
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("lowering.gluon.sparse_attention_ws_old", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def use(module) -> None:
+    """The module ``gluon_config`` imports for ``variant="ws"``."""
+    sys.modules["lowering.gluon.sparse_attention_ws"] = module
+    gluon_pkg.sparse_attention_ws = module
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(__doc__)
+        return 2
+    if not torch.cuda.is_available():
+        print("ws_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    old, dev = load_old(args[0]), torch.device("cuda")
+    versions = (("new", new), ("old", old))
+    for kind, B, ctx in CASES:
+        case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash")
+        first = case.make(dev)
+        size = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
+        copies = [first] + [case.make(dev) for _ in range(rotation_copies(size // 2, size, l2_bytes(dev), 20 * 2**30) - 1)]
+        times, outs = {name: [] for name, _ in versions}, {}
+        for _ in range(REPEATS):
+            for name, module in versions:
+                use(module)
+                outs[name] = ga.sparse_attention_gluon(*first, variant="ws")
+                calls = [lambda a=a: ga.sparse_attention_gluon(*a, variant="ws") for a in copies]
+                times[name].append(kernel_time(calls, dev, 30.0).us)
+        use(new)
+        diff = (outs["new"].float() - outs["old"].float()).abs().max().item()
+        print(f"{kind} B={B} ctx={ctx}: " + "  ".join(f"{n} {min(t):.2f} us {[round(x, 2) for x in t]}"
+                                                     for n, t in times.items()) + f"  max|new-old| {diff:.3g}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
