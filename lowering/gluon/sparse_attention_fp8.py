@@ -162,10 +162,9 @@ def _copy_scale_bytes(scl_buf, scl, lane8, scl_l: gl.constexpr, SCALE_BYTES: gl.
 
 
 @gluon.jit
-def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0,
-                 sc_n, FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr,
-                 NOPE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
+def _issue_bytes(codes_buf, rope_buf, scl_buf, v, idx, hi, W, N_KV, N_CMP, kv_row0, cmp_row0,
+                 FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr,
+                 NOPE: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr):
     """cp.async the raw FP8 entries of ``v`` (codes, rope, scales; lanes not FP8-valid: zeros,
     no memory read) into one ring slot; ``v`` in the copies' row layout (one row a warp)."""
     data, scl, lane8 = _entry_pointers(v, idx, hi, W, N_KV, N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE,
@@ -361,8 +360,7 @@ def sparse_attention_gluon_fp8_kernel(
     for st in gl.static_range(NUM_STAGES):
         _store_bias(bias_ring.index(st), v, idx, hi, W, N_KV, N_CMP)
         _issue_bytes(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, idx, hi,
-                     W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES,
-                     SCALE_BYTES, BLOCK_N)
+                     W, N_KV, N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES)
         cp.commit_group()
         v = v + BLOCK_N
         idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
@@ -381,8 +379,8 @@ def sparse_attention_gluon_fp8_kernel(
     fence_async_shared()  # decoded rows visible to wgmma (async proxy)
     gl.thread_barrier()  # ... every thread's; every thread done reading byte slot 0
     # v is now block NUM_STAGES's entries: refill slot 0
-    _issue_bytes(codes_ring.index(0), rope_ring.index(0), scl_ring.index(0), v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES,
-                 SCALE_BYTES, BLOCK_N)
+    _issue_bytes(codes_ring.index(0), rope_ring.index(0), scl_ring.index(0), v, idx, hi, W, N_KV, N_CMP, kv_row0, cmp_row0, FP8,
+                 KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES)
     cp.commit_group()
     v = v + BLOCK_N
     idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
@@ -428,8 +426,8 @@ def sparse_attention_gluon_fp8_kernel(
         fence_async_shared()
         gl.thread_barrier()  # B3: E[j + 1] visible; every thread done reading byte slot nslot
         # refill it with block j + 1 + NUM_STAGES
-        _issue_bytes(codes_ring.index(nslot), rope_ring.index(nslot), scl_ring.index(nslot), v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n,
-                     cmp_row0, sc_n, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, BLOCK_N)
+        _issue_bytes(codes_ring.index(nslot), rope_ring.index(nslot), scl_ring.index(nslot), v, idx, hi, W, N_KV, N_CMP, kv_row0,
+                     cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES)
         cp.commit_group()
         v = v + BLOCK_N
         idx = _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)

@@ -109,7 +109,7 @@ def _issue_rows(codes_buf, rope_buf, scl_buf, v, loaded, hi, W, K, N_KV, N_CMP, 
 
 @gluon.jit
 def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
-             kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k,
+             kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k,
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr,
@@ -232,7 +232,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
                      scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES,
                      NUM_SPLITS)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
-                    kv_row0, skv_n, cmp_row0, sc_n, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
+                    kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
                     DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS,
                     CODES_SWIZZLE)),
     ], [DECODER_WARPS], [DECODER_REGS])
