@@ -77,8 +77,9 @@
 #   ncu     = Nsight Compute profile (--set full) of attention, combine, indexer scores and top-k at
 #             B=64 x 32K (benchmarks/ncu_kernels.py): report + details page + per-instruction SASS CSV
 #             + where the samples fall (benchmarks/ncu_summary.py)
-#   ncu-gluon = the same for the routed Gluon attentions (bf16 ws and FP8 ws, CSA B=128 x 32K, the public op;
-#             benchmarks/ncu_gluon.py): details page, SASS CSV and its summary (40 instructions a kernel)
+#   ncu-gluon = the same for the routed Gluon FP8 ws attention (CSA B=128 x 32K, the public op;
+#             benchmarks/ncu_gluon.py): details page, SASS CSV and its summary (40 instructions);
+#             ncu-gluon-bf16 = the same for the bf16 ws attention
 # Every mode tees its log into $OUT (or ./out) next to its JSON; $OUT/gpu.txt names the machine. The device
 # tool returns at most 8 files per call: `tests bench` (5 files) or `spec profile` (5) fit; `ops` adds 4.
 # One device call runs at most 10 minutes. Commit each run's logs under benchmarks/results/ (h200_<what>.log).
@@ -98,6 +99,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo yes)
 # line-buffered: a mode cut by the device call's time limit keeps the lines it printed (session 9 lost one)
+# ncu_gluon NAME SKIP ARGS...: Nsight Compute (--set full) of one sparse_attention_gluon launch of
+# benchmarks/ncu_gluon.py ARGS after SKIP of them; report, details page, SASS CSV and its 40-line summary as $OUT/NAME*
+ncu_gluon() {
+  local name=$1 skip=$2; shift 2
+  ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip "$skip" --launch-count 1 --set full \
+      --import-source no -f -o "$OUT/$name" python3 benchmarks/ncu_gluon.py "$@" > "$OUT/$name.log" 2>&1 \
+      || { rc=1; tail -20 "$OUT/$name.log"; }
+  ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/${name}_sass.csv.gz"
+  python3 benchmarks/ncu_summary.py --top 40 "$OUT/${name}_sass.csv.gz" > "$OUT/${name}_summary.txt" || rc=1
+  grep -e "sparse_attention_gluon" -e "Duration" -e "Memory Throughput" -e "DRAM Throughput" \
+       -e "Compute (SM) Throughput" -e "Registers Per" -e "Shared Memory Configuration Size" \
+       "$OUT/${name}_details.txt" | head -40
+}
 quiet() { grep --line-buffered -v -e Warning -e warnings.warn -e "Online softmax" -e "split the reduction" -e "important use case" -e "^softmax\.$" -e '^\s*$'; }
 rc=0
 for what in "$@"; do
@@ -233,16 +248,11 @@ for what in "$@"; do
          python3 benchmarks/ncu_summary.py "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
          grep -e "sparse_attention_kernel\|combine_kernel\|indexer_scores_kernel\|topk_row_kernel" -e "Duration" \
               -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
-    ncu-gluon) # the routed Gluon attentions (bf16 ws, FP8 ws) at B=128 x 32K, CSA: stall reasons per instruction
-         ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip 2 --launch-count 2 --set full \
-             --import-source no -f -o "$OUT/ncu_gluon" python3 benchmarks/ncu_gluon.py > "$OUT/ncu_gluon.log" 2>&1 \
-             || { rc=1; tail -20 "$OUT/ncu_gluon.log"; }
-         ncu -i "$OUT/ncu_gluon.ncu-rep" --page details > "$OUT/ncu_gluon_details.txt" 2>&1
-         ncu -i "$OUT/ncu_gluon.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_gluon_sass.csv.gz"
-         python3 benchmarks/ncu_summary.py --top 40 "$OUT/ncu_gluon_sass.csv.gz" > "$OUT/ncu_gluon_summary.txt" || rc=1
-         grep -e "sparse_attention_gluon" -e "Duration" -e "Memory Throughput" -e "DRAM Throughput" \
-              -e "Compute (SM) Throughput" -e "Registers Per" -e "Shared Memory Configuration Size" \
-              "$OUT/ncu_gluon_details.txt" | head -40 ;;
+    ncu-gluon) # the routed Gluon attentions at B=128 x 32K, CSA: stall reasons per instruction (the FP8 ws kernel,
+               # its second launch: the two bf16 launches and its first are skipped)
+         ncu_gluon ncu_gluon 3 --caches bf16 fp8 ;;
+    ncu-gluon-bf16) # the same for the bf16 ws kernel (its second launch; the first compiles)
+         ncu_gluon ncu_gluon_bf16 1 --caches bf16 ;;
     tp) n=$(nvidia-smi -L | wc -l)
         if [ "$n" -lt 2 ]; then echo "tp needs 2 GPUs, this machine has $n"; rc=1; continue; fi
         { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&

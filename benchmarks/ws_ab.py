@@ -1,16 +1,16 @@
-"""A/B of the bf16 warp-specialised Gluon attention against an earlier version of its module, in one process.
+"""A/B of the bf16 warp-specialised Gluon attention against other versions of its module, in one process.
 
     git show REV:lowering/gluon/sparse_attention_ws.py > old_ws.py      # on the checkout, before the device call
-    PYTHONPATH=$PWD python3 benchmarks/ws_ab.py old_ws.py              # on the GPU box
+    PYTHONPATH=$PWD python3 benchmarks/ws_ab.py old_ws.py [other.py ...] # on the GPU box
 
-The old file is imported as ``lowering.gluon.sparse_attention_ws_old`` (its relative imports resolve
+Each file is imported as ``lowering.gluon.sparse_attention_ws_<stem>`` (its relative imports resolve
 against today's ``lowering.gluon.sparse_attention``, so it must still find the helpers it names) and
 swapped in for ``lowering.gluon.sparse_attention_ws`` around each launch; ``sparse_attention_gluon``
-is called directly (``variant="ws"``). Cases: the per-kernel benchmark's V4-Flash inputs
+is called directly (``variant="ws"``). The files must be in the tree (untracked is fine) to reach the GPU box. Cases: the per-kernel benchmark's V4-Flash inputs
 (``benchmarks/kernel_bench/cases.py``) for HCA and CSA at B = 64, 128. Each is timed by
 ``benchmarks/timing.kernel_time`` (CUDA graphs, L2-cold input copies) three times per version,
-alternating, and the outputs of the two versions are compared (max abs difference: 0 when only the
-schedule changed). One line a case: ``... new <best> us [...] old <best> us [...] max|new-old| ...``.
+alternating, and each file's output is compared with today's (max abs difference: 0 when only the
+schedule changed). One line a case: ``... new <best> us [...] <stem> <best> us [...] ... max|new-<stem>| ...``.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ REPEATS = 3
 
 
 def load_old(path: str):
-    spec = importlib.util.spec_from_file_location("lowering.gluon.sparse_attention_ws_old", path)
+    spec = importlib.util.spec_from_file_location(f"lowering.gluon.sparse_attention_ws_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -48,14 +48,14 @@ def use(module) -> None:
 
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
+    if not args:
         print(__doc__)
         return 2
     if not torch.cuda.is_available():
         print("ws_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
-    old, dev = load_old(args[0]), torch.device("cuda")
-    versions = (("new", new), ("old", old))
+    dev = torch.device("cuda")
+    versions = (("new", new),) + tuple((Path(path).stem, load_old(path)) for path in args)
     for kind, B, ctx in CASES:
         case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash")
         first = case.make(dev)
@@ -69,10 +69,10 @@ def main(argv=None) -> int:
                 calls = [lambda a=a: ga.sparse_attention_gluon(*a, variant="ws") for a in copies]
                 times[name].append(kernel_time(calls, dev, 30.0).us)
         use(new)
-        diff = (outs["new"].float() - outs["old"].float()).abs().max().item()
+        diffs = "  ".join(f"max|new-{name}| {(outs['new'].float() - outs[name].float()).abs().max().item():.3g}"
+                          for name, _ in versions[1:])
         print(f"{kind} B={B} ctx={ctx}: " + "  ".join(f"{n} {min(t):.2f} us {[round(x, 2) for x in t]}"
-                                                     for n, t in times.items()) + f"  max|new-old| {diff:.3g}",
-              flush=True)
+                                                     for n, t in times.items()) + "  " + diffs, flush=True)
     return 0
 
 

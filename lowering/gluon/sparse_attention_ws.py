@@ -75,7 +75,12 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
     ``cp.async.mbarrier.arrive.noinc`` (its arrival lands with its copies). 1: the writers
     publish the rows themselves, as the non-specialised kernels do: once block j is issued, each
     thread waits for its copies of block ``j - LAG`` (``cp.async.wait_group``), fences them for
-    the async proxy the wgmma reads through, the partition barriers, and one thread arrives."""
+    the async proxy the wgmma reads through, the partition barriers, and one thread arrives.
+
+    With ``PUBLISH`` 1 and 4 stages, block k is published only after block k + 2 has been issued into block k - 2's slot. So a
+    consumer that waited for block i + 1 before freeing block i - 1 would deadlock. Session 23 measured such a
+    consumer, one that issues the next block's scores under this block's softmax: it hung. Its deadlock-free forms were
+    slower (BENCHMARKS.md, session 23)."""
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     LAG: gl.constexpr = NUM_STAGES - 2  # blocks issued but not yet published, past the newest
     gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
