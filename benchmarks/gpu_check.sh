@@ -98,7 +98,6 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo yes)
-# line-buffered: a mode cut by the device call's time limit keeps the lines it printed (session 9 lost one)
 # ncu_gluon NAME SKIP ARGS...: Nsight Compute (--set full) of one sparse_attention_gluon launch of
 # benchmarks/ncu_gluon.py ARGS after SKIP of them; report, details page, SASS CSV and its 40-line summary as $OUT/NAME*
 ncu_gluon() {
@@ -113,6 +112,7 @@ ncu_gluon() {
        -e "Compute (SM) Throughput" -e "Registers Per" -e "Shared Memory Configuration Size" \
        "$OUT/${name}_details.txt" | head -40
 }
+# line-buffered: a mode cut by the device call's time limit keeps the lines it printed (session 9 lost one)
 quiet() { grep --line-buffered -v -e Warning -e warnings.warn -e "Online softmax" -e "split the reduction" -e "important use case" -e "^softmax\.$" -e '^\s*$'; }
 rc=0
 for what in "$@"; do

@@ -1,13 +1,14 @@
 """The routed Gluon decode attentions (bf16 ``ws``, FP8 ``ws``), each launched a fixed number of times, for
 Nsight Compute: where a 32-row block's time goes inside the warp-specialised kernels.
 
-    ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip 2 --launch-count 2 --set full \
-        --import-source no -o out/gluon python3 benchmarks/ncu_gluon.py
+    ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip 3 --launch-count 1 --set full \
+        --import-source no -o out/gluon python3 benchmarks/ncu_gluon.py     # the FP8 kernel's second launch
 
 Runs the public ``dsv4_ops.sparse_attention`` on the per-kernel benchmark's V4-Flash CSA inputs
 (``benchmarks/kernel_bench/cases.py``) at ``--batch`` (default 128: one split, 20 blocks a program) and
 ``--ctx`` 32K, first with a bf16 cache, then with the FP8 cache; ``--rounds`` times each (the first
-round compiles). ``benchmarks/gpu_check.sh ncu-gluon`` runs this under ncu and summarises the report.
+round compiles). ``benchmarks/gpu_check.sh ncu-gluon`` runs this under ncu and summarises the report
+(``ncu-gluon-bf16``: ``--caches bf16``, the bf16 kernel's second launch).
 """
 from __future__ import annotations
 

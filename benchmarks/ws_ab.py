@@ -6,7 +6,9 @@
 Each file is imported as ``lowering.gluon.sparse_attention_ws_<stem>`` (its relative imports resolve
 against today's ``lowering.gluon.sparse_attention``, so it must still find the helpers it names) and
 swapped in for ``lowering.gluon.sparse_attention_ws`` around each launch; ``sparse_attention_gluon``
-is called directly (``variant="ws"``). The files must be in the tree (untracked is fine) to reach the GPU box. Cases: the per-kernel benchmark's V4-Flash inputs
+is called directly (``variant="ws"``). The files must be in the tree (untracked is fine) to reach the
+GPU box, with distinct names, and the run belongs under ``timeout``: a candidate whose partitions
+deadlock hangs it (session 23). Cases: the per-kernel benchmark's V4-Flash inputs
 (``benchmarks/kernel_bench/cases.py``) for HCA and CSA at B = 64, 128. Each is timed by
 ``benchmarks/timing.kernel_time`` (CUDA graphs, L2-cold input copies) three times per version,
 alternating, and each file's output is compared with today's (max abs difference: 0 when only the
@@ -53,6 +55,10 @@ def main(argv=None) -> int:
         return 2
     if not torch.cuda.is_available():
         print("ws_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    stems = [Path(path).stem for path in args]
+    if len(set(stems)) != len(stems) or "new" in stems:
+        print(f"ws_ab: the module files need distinct names other than 'new', got {stems}", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     versions = (("new", new),) + tuple((Path(path).stem, load_old(path)) for path in args)
