@@ -45,8 +45,7 @@ def _no_copy(text: str) -> str:
 
 
 def _no_compute(text: str) -> str:
-    start = text.index(_LOOP_START) if _LOOP_START in text else -1
-    end = text.index(_LOOP_END) if _LOOP_END in text else -1
+    start, end = text.find(_LOOP_START), text.find(_LOOP_END)
     if start < 0 or end < start:
         raise SystemExit(f"ws_diag: the consumer's loop in {KERNEL} no longer reads as this script expects")
     return text[:start] + _NO_COMPUTE_LOOP + text[end:]
