@@ -8,8 +8,9 @@ against today's ``lowering.gluon.sparse_attention``, so it must still find the h
 swapped in for ``lowering.gluon.sparse_attention_ws`` around each launch; ``sparse_attention_gluon``
 is called directly (``variant="ws"``). The files must be in the tree (untracked is fine) to reach the
 GPU box, with distinct names, and the run belongs under ``timeout``: a candidate whose partitions
-deadlock hangs it (session 23). Cases: the per-kernel benchmark's V4-Flash inputs
-(``benchmarks/kernel_bench/cases.py``) for HCA and CSA at B = 64, 128. Each is timed by
+deadlock hangs it (session 23); ``benchmarks/ws_swap_plugin.py`` runs the sm_90 tests against a
+candidate. A candidate may name its own ``BLOCKS`` (rows, stages) and ``NUM_WARPS`` (``gluon_config``
+reads both). Cases: the per-kernel benchmark's V4-Flash inputs (``benchmarks/kernel_bench/cases.py``) for HCA and CSA at B = 64, 128. Each is timed by
 ``benchmarks/timing.kernel_time`` (CUDA graphs, L2-cold input copies) three times per version,
 alternating, and each file's output is compared with today's (max abs difference: 0 when only the
 schedule changed). One line a case: ``... new <best> us [...] <stem> <best> us [...] ... max|new-<stem>| ...``.

@@ -20,10 +20,37 @@ def test_every_diag_variant_is_built_from_todays_kernel(tmp_path):
 def test_each_variant_leaves_out_what_its_name_says(tmp_path):
     texts = {p.stem.removeprefix("diag_"): p.read_text() for p in ws_diag.write_variants(tmp_path)}
     assert ws_diag._NO_COPY in texts["nocopy"] and ws_diag._COPY not in texts["nocopy"]
-    consumer = texts["nocompute"].split("def _consumer")[1].split("def sparse_attention_gluon_ws_kernel")[0]
-    assert "warpgroup_mma(" not in consumer and "exp2" not in consumer  # no MMA issued, no softmax
+    scorer = texts["nocompute"].split("def _scorer")[1].split("def _helper")[0]
+    loop = scorer.split("for j in range(n_blocks)")[1].split("ml_smem")[0]
+    assert "warpgroup_mma(" not in loop and "exp2" not in loop  # no MMA issued, no softmax
+    helper = texts["nocompute"].split("def _helper")[1].split("def sparse_attention_gluon_ws_kernel")[0]
+    assert "n_blocks = n_blocks * 0" in helper  # the helper takes no block, so one arrival frees a slot
+    assert "mbarrier.init(empty.index(st), count=1" in texts["nocompute"]
     assert ws_diag._NO_COPY in texts["neither"] and ws_diag._NO_COMPUTE_LOOP in texts["neither"]
-    assert texts["noblocks"].count("n_blocks = n_blocks * 0") == 2  # producer and consumers
+    assert texts["noblocks"].count("n_blocks = n_blocks * 0") == 3  # producer, scorer and helper
+
+
+def test_consumer_diags_take_apart_the_session_23_kernel(tmp_path, capsys):
+    """``--consumer`` edits session 23's 8-warp consumer (read from git history): each variant is its ``nocopy``
+    with one more piece gone."""
+    import subprocess
+
+    old = subprocess.run(["git", "show", "d3234e6:lowering/gluon/sparse_attention_ws.py"], cwd=ws_diag.ROOT,
+                         capture_output=True, text=True)
+    if old.returncode != 0:
+        pytest.skip(f"the session-23 kernel is not in this checkout's history: {old.stderr.strip()}")
+    kernel = tmp_path / "ws23.py"
+    kernel.write_text(old.stdout)
+    paths = ws_diag.write_variants(tmp_path / "out", ws_diag.CONSUMER_DIAGS, kernel)
+    texts = {p.stem.removeprefix("diag_"): p.read_text() for p in paths}
+    assert all(ws_diag._NO_COPY_23 in t for t in texts.values())
+    assert "q_smem.slice(0, D // 2, dim=1)" in texts["halfscores"]
+    assert "q_smem.slice(0, D // 4, dim=1)" in texts["quarterscores"]
+    assert ws_diag._PV not in texts["nopv"] and ws_diag._P_STORE not in texts["nopstore"]
+    assert ws_diag._B1 not in texts["nob1"] and ws_diag._B1 in texts["nocopy"]
+    with pytest.raises(SystemExit):
+        ws_diag.main(["--consumer", "--write-only"])
+    assert "--consumer takes the session-23 kernel" in capsys.readouterr().err
 
 
 def test_a_kernel_that_moved_on_stops_the_script(tmp_path, monkeypatch):

@@ -35,11 +35,12 @@ since session 20):
   waited for once P @ rows is in flight (a third barrier a block frees the slot), so a block's
   copy runs under the previous block's scores, softmax and P @ rows. H200 (session 13), CSA 32K:
   B=64 32.9 against 36.8 us, B=128 53.3 against 57.9; a 4K dense prefix at B=64: 222.6 against 260.7.
-- ``ws`` (``sparse_attention_ws.py``, the default): v0's compute in 8 consumer warps, the gathers
-  in a 4-warp producer partition (``gl.warp_specialize``, mbarriers), 32-row blocks x 4 stages.
-  H200 (session 20, the public op), CSA 32K: B=128 46.9 against v3's 54.5 us, B=96 45.7 against
-  51.9, B=64 34.2 against 33.9, B=4-32 within 0.3 us of v3 or faster; why session 19 kept it
-  opt-in and why that no longer holds: its module docstring.
+- ``ws`` (``sparse_attention_ws.py``, the default): the gathers in a 4-warp producer partition
+  (``gl.warp_specialize``, mbarriers), 32-row blocks x 4 stages; until session 24 v0's compute in
+  8 consumer warps, since then one 4-warp partition scoring each block whole and a second sharing
+  P @ rows (its own ``NUM_WARPS`` = 4). H200 (session 20, the public op), CSA 32K: B=128 46.9
+  against v3's 54.5 us, B=96 45.7 against 51.9, B=64 34.2 against 33.9, B=4-32 within 0.3 us of
+  v3 or faster; session 24: B=128 42.0, B=64 30.2 (its module docstring).
 - Measured on the H200 and removed (BENCHMARKS.md, sessions 12-13; the code is in git history
   before session 13's cleanup): q in registers with FlashMLA's split of D over two
   warp-specialised warpgroups (no faster), the next block's scores issued under this block's
@@ -354,7 +355,7 @@ DIAG = {
 }
 # variant -> the constexprs it launches the kernel with (module docstring: what each one changes).
 # v0 and v3 run NUM_WARPS warps at DEFAULT_BLOCKS unless told, take the DIAG switches and need 2 stages;
-# ws (sparse_attention_ws.py, its own kernel and constexprs) runs at DEFAULT_BLOCKS_WS and takes no DIAG.
+# ws (sparse_attention_ws.py, its own kernel, warps and constexprs) runs at DEFAULT_BLOCKS_WS and takes no DIAG.
 VARIANTS = {"v0": dict(PREFETCH_EARLY=False), "v3": dict(PREFETCH_EARLY=True), "ws": dict()}
 DIAG_VARIANTS = ("v0", "v3")  # the variants that take the DIAG switches
 # what the public op runs (dsv4_ops/ops/attention_sm90.py): ws, within 0.3 us of v3 or faster from batch 1 to 128
@@ -378,7 +379,11 @@ def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | Non
     if variant not in VARIANTS:
         raise ValueError(f"sparse_attention_gluon: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     cfg = attention_config(B, 1, BLOCK_H, HEAD_DIM, max_entries, sms, num_splits)
-    default_blocks = DEFAULT_BLOCKS_WS if variant == "ws" else DEFAULT_BLOCKS
+    if variant == "ws":  # the warp-specialised kernel's module may name its own (an A/B candidate does)
+        from . import sparse_attention_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+        default_blocks = getattr(ws, "BLOCKS", DEFAULT_BLOCKS_WS)
+    else:
+        default_blocks = DEFAULT_BLOCKS
     block_n = default_blocks[0] if block_n is None else block_n
     num_stages = default_blocks[1] if num_stages is None else num_stages
     if num_stages < 2:
@@ -387,7 +392,7 @@ def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | Non
                   variant=variant)
     if variant == "ws":  # the warp-specialised kernel (sparse_attention_ws.py): its own constexprs
         from . import sparse_attention_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
-        return dict(common, kernel=ws.sparse_attention_gluon_ws_kernel,
+        return dict(common, kernel=ws.sparse_attention_gluon_ws_kernel, num_warps=getattr(ws, "NUM_WARPS", NUM_WARPS),
                     extra=dict(PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS,
                                PUBLISH=ws.PUBLISH))
     return dict(common, kernel=sparse_attention_gluon_kernel, extra=dict(VARIANTS[variant]))

@@ -16,7 +16,7 @@ Here the two roles run side by side, as in ``sparse_attention_ws.py`` (the bf16 
   mbarrier), and publishes the decoded block (``fence.proxy.async`` for the wgmma's proxy, a
   partition barrier, one arrival on ``full``). Once a block is decoded its byte slot is refilled
   with the block ``NUM_STAGES`` ahead.
-- The 8 *consumer* warps are the bf16 ``ws`` kernel's ``_consumer`` unchanged: wait on ``full``,
+- The 8 *consumer* warps (``_consumer``, the bf16 ``ws`` kernel's until session 24): wait on ``full``,
   scores, the row max exchanged through shared memory, online softmax, ``P @ rows`` left in flight,
   the slot freed once both warpgroups' ``P @ rows`` of that block has completed. Their score bias
   follows the decoder's copy mask (``_valid``: the same rule as ``_entry_pointers``).
@@ -44,12 +44,13 @@ from triton.experimental import gluon
 from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_init, warpgroup_mma_wait)
 
 from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
 from .sparse_attention_fp8 import (_copy_data_bytes, _copy_scale_bytes, _decode_block, _decode_block_3d,
                                    _entry_pointers, _rows_3d)
-from .sparse_attention_ws import _consumer
+from .sparse_attention_ws import _valid
 
 __all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW",
            "CODES_SWIZZLE"]
@@ -92,6 +93,74 @@ def _codes_3d_layout(block_n):
     bases = [[0, 0, 1 << b] for b in range(6)] + [[0, 1 << b, 0] for b in range(3)] + [[1, 1, 0]]
     bases += [[1 << b, 0, 0] for b in range(1, block_n.bit_length() - 1)]
     return gl.SharedLinearLayout(bases)
+
+
+@gluon.jit
+def _consumer(q_row, sq_h, q_smem, ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV,
+              N_CMP, widx_row, swi_w, cidx_row, sci_k,
+              D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              NUM_SPLITS: gl.constexpr):
+    """Stage q, then the scores, online softmax and ``P @ rows`` of every block as it lands (8 warps: each
+    warpgroup scores half of a block's rows; the bf16 ``ws`` kernel ran this until session 24);
+    returns (acc, m, l). q is loaded here, not before the partitions fork, so that the producer's
+    first copies are in flight while q arrives."""
+    lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    offs_hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    offs_dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+    q_smem.store(gl.load(q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]))
+    fence_async_shared()  # q (plain stores) visible to wgmma (async proxy) ...
+    # ... every consumer thread's: each warpgroup's scores wgmma reads all 64 q rows, half of them
+    # stored by the other warpgroup, and the wait on block 0's `full` barrier does not order the
+    # two warpgroups. Session 19's kernel lacked this barrier: a race in principle, never seen on
+    # the H200 (q lands before block 0's rows; the poisoned-shared-memory test passed without it)
+    gl.thread_barrier()
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_N // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, D // 2, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
+    pair_l: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
+
+    offs_n = gl.arange(0, BLOCK_N, layout=col_l)
+    v = lo + offs_n
+    loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        e = ring.index(slot)
+        bias = gl.where(_valid(v, _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP), 0.0, float("-inf"))
+        v = v + BLOCK_N
+        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # next block's, picked next iteration
+        mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
+        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
+        s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # also this warpgroup's P @ rows of block j - 1
+        logits = s * scale_log2e + bias[None, :]
+        m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
+        red_smem.store(m_wg)
+        gl.thread_barrier()  # B1: maxima stored; both warpgroups done with block j - 1 and P
+        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)  # block j - 1's slot
+        m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
+        m_new = gl.maximum(m_i, m_blk)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()  # P visible to wgmma
+        gl.thread_barrier()  # B2
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
+        acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    return acc, m_i, gl.sum(l_i, 1)
 
 
 @gluon.jit

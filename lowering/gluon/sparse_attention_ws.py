@@ -1,41 +1,38 @@
 """Warp-specialised Gluon decode sparse attention (sm_90, bf16, H = 64, D = 512, S = 1): variant ``ws``.
 
-The compute of ``sparse_attention.py``'s v0 (scores with each warpgroup its own ``BLOCK_N / 2``
-columns, the row max exchanged per warpgroup through shared memory, the row sum kept per column,
-``acc[64, 512] += P @ rows`` left in flight into the next block's scores), with the row gathers
-taken out of the compute warps. Session 13's diagnosis: at B=128 a 64-row block costs 4.0 us,
-2.2 of them compute and ~2 of HBM time, because the same warps issue the copies, wait for them and
-barrier on them, so the two barely overlap.
+Three partitions of 4 warps each (``gl.warp_specialize``):
 
-Here a 4-warp *producer* partition (``gl.warp_specialize``) does nothing but gather: per block it
-loads the entries' row indices (one block ahead), waits for its ring slot to be freed (``empty``
-mbarrier), issues 16-byte ``cp.async`` copies of the rows (invalid lanes zero-filled, no memory
-read) and publishes the block on the slot's ``full`` mbarrier once it has landed (``PUBLISH``,
-``_producer``). It runs up to ``NUM_STAGES - 1`` blocks ahead of the consumers, limited only by
-the ring. The 8 consumer warps wait on ``full``, compute, and free the slot once both warpgroups'
-``P @ rows`` of that block has completed (after the next block's row-max barrier). q is staged by
-the consumers after the fork, so the producer's first copies are in flight while it arrives.
+- the *producer* gathers each 32-row block into a ring slot with 16-byte ``cp.async`` (invalid lanes zero-filled,
+  no memory read), each row as two 256-column halves, and publishes the block on the slot's ``full`` mbarrier once it
+  has landed (``PUBLISH``, ``_producer``), up to ``NUM_STAGES - 1`` blocks ahead of the consumers;
+- the *scorer* (warpgroup 0, the default partition) stages q and computes every block's scores alone: S[64 heads,
+  32 rows] as 32 dependent m64n32k16 wgmmas, the online softmax, then hands P (bf16) and the block's rescale factors
+  to warpgroup 1 through a two-deep shared buffer (``pfull`` / ``pfree`` mbarriers) and issues its own half of
+  ``P @ rows``;
+- the *helper* (warpgroup 1) rescales its half of the accumulator by those factors and issues the other half of
+  ``P @ rows``.
 
-The score bias (0 / -inf per entry) is computed by the consumers from the same indices (loaded one
-block ahead, L2-warm after the producer's loads) with the same validity rule as the producer's
-copy mask (``_valid``), so no plain shared-memory store of the producer has to be ordered against
-its asynchronous arrivals.
+Each warpgroup owns 256 of the 512 output columns and writes them itself (``_store_out``); warpgroup 0 leaves the
+final row maxima and sums in shared memory for warpgroup 1 (``done``). A ring slot is freed once both warpgroups'
+``P @ rows`` of its block has completed (``empty`` counts two arrivals).
 
-Launch split, contract, partials and ``combine_kernel``: as ``sparse_attention.py`` (whose
-``gluon_launch`` launches this kernel for ``variant="ws"``). Registers: the producer partition is
-given ``PRODUCER_REGS``; the consumers get the rest of the register file (``setmaxnreg``).
+Why (session 24, BENCHMARKS.md): until then both warpgroups of an 8-warp consumer each scored half of a block's rows
+(N = 16), so each read all of q (64 KB) from shared memory for every block: 160 KB of score operands a 32-row block,
+bound by shared-memory bandwidth (the score wgmmas cost ~0.7 of the 1.6 us a block took with no HBM traffic;
+``benchmarks/ws_diag.py --consumer``). One scoring warpgroup reads q once a block (96 KB of operands) and the
+exchange of row maxima, its barrier and the second CTA barrier go. Both ``P @ rows`` are waited for right after their
+issue: left in flight across the loop's back edge, ptxas serialised every wgmma of the kernel (C7515).
 
-Status (H200, BENCHMARKS.md): routed since session 20 (``DEFAULT_VARIANT``). CSA 32K through the
-public op: B=128 46.9 against v3's 54.5 us, B=96 45.7 against 51.9, B=64 34.2 against 33.9, B=4-32
-within 0.3 us of v3 or faster (B=1: 15.6 against 16.2, session 19). Correct against the float64
-oracle, bit-repeatable, and correct with every SM's shared memory poisoned before each launch.
-Session 19 left it opt-in after the V4-width model test's logits left their bound (1.62e-1
-against 2e-2) with ws on the CSA layer and v3 on the others. Session 20 measured that bound to
-sit below the test's own noise: outputs one bf16 ulp away from v3's move those logits by 2.1e-2
-to 1.8e-1 (``benchmarks/model_test_noise.py``), while every call of the model's decode matches
-the Triton kernel on its inputs within 1.6e-3. Session 22: the index loads picked an iteration later and the split's
-range read in each partition (a load before the fork held the producer back): CSA 32K B=64 31.8, B=128 45.3 us
-(check script; session 20: 33.2 and 46.5).
+The score bias (0 / -inf per entry) is computed by the scorer from the same indices as the producer's copy mask
+(``_valid``), so no plain shared-memory store of the producer has to be ordered against its asynchronous arrivals.
+
+Launch split, contract, partials and ``combine_kernel``: as ``sparse_attention.py`` (whose ``gluon_launch`` launches
+this kernel for ``variant="ws"``, with this module's ``NUM_WARPS``). Registers: the helper gets ``HELPER_REGS``, the
+producer ``PRODUCER_REGS``, the scorer the rest (``setmaxnreg``).
+
+Status (H200, BENCHMARKS.md, session 24): against session 23's 8-warp consumer, CSA 32K B=128 41.9 against 45.6 us,
+B=64 31.1 against 32.2; HCA B=128 32K 31.8 against 34.9, 128K 64.5 against 74.0; HCA B=64 128K 40.9 against 44.7.
+Correct against the float64 oracle and with every SM's shared memory poisoned before each launch.
 """
 from __future__ import annotations
 
@@ -45,20 +42,22 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
-from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
+from .sparse_attention import _load_entry_index, _pick_entry_index, _split_range
 
-__all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "PUBLISH"]
+__all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "HELPER_REGS", "PUBLISH", "NUM_WARPS"]
 
+NUM_WARPS = 4  # the kernel's, i.e. the scorer's (the default partition); the launcher reads it
 PRODUCER_WARPS = 4
 # how the producer publishes a landed block (``_producer``): 1 = the writers wait, fence, then arrive
 PUBLISH = 1
 PRODUCER_REGS = 80
+HELPER_REGS = gl.constexpr(176)  # acc[64, 256] fp32 is 128 a thread; 152 spilled
 
 
 @gluon.jit
 def _valid(v, idx, hi, W, N_KV, N_CMP):
     """Entries that are read: inside this split, a non-negative index inside its segment's rows.
-    Producer (copy mask) and consumers (score bias) both use this rule."""
+    Producer (copy mask) and scorer (score bias) both use this rule."""
     return (v < hi) & (idx >= 0) & (idx < gl.where(v < W, N_KV, N_CMP))
 
 
@@ -67,7 +66,8 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
               widx_row, swi_w, cidx_row, sci_k,
               D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PUBLISH: gl.constexpr,
               NUM_SPLITS: gl.constexpr):
-    """Gather every block's rows into the ring, ``NUM_STAGES`` blocks ahead at most. The next
+    """Gather every block's rows into the ring, ``NUM_STAGES`` blocks ahead at most, each row as two 256-column
+    halves (ring slots ``2 * slot`` and ``2 * slot + 1``: each warpgroup's ``P @ rows`` operand is one of them). The next
     block's row indices are loaded before this block's copies are issued, so their latency
     overlaps the wait for a free slot and the issue instead of preceding every block.
 
@@ -83,8 +83,9 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
     slower (BENCHMARKS.md, session 23)."""
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     LAG: gl.constexpr = NUM_STAGES - 2  # blocks issued but not yet published, past the newest
+    HALF: gl.constexpr = D // 2
     gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, gather_l))
+    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, gather_l))
     v_next = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_l))
     loaded_next = _load_entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
     for j in range(n_blocks):
@@ -98,9 +99,11 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
         valid = _valid(v, idx, hi, W, N_KV, N_CMP)
         idx64 = gl.where(valid, idx, 0).to(gl.int64)
         row = gl.where(v < W, kv_row0 + idx64 * skv_n, cmp_row0 + idx64 * sc_n)
-        # the slot's previous block (j - NUM_STAGES) must have been consumed; the first round is free
+        # the slot's previous block (j - NUM_STAGES) must have been consumed by both warpgroups; the first round is free
         mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
-        cp.async_copy_global_to_shared(ring.index(slot), row[:, None] + offs_d[None, :], mask=valid[:, None])
+        ptrs = row[:, None] + offs_d[None, :]
+        cp.async_copy_global_to_shared(ring.index(2 * slot), ptrs, mask=valid[:, None])
+        cp.async_copy_global_to_shared(ring.index(2 * slot + 1), ptrs + HALF, mask=valid[:, None])
         if PUBLISH == 0:
             cp.mbarrier_arrive(full.index(slot), increment_count=False)
         else:
@@ -119,70 +122,132 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
 
 
 @gluon.jit
-def _consumer(q_row, sq_h, q_smem, ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV,
-              N_CMP, widx_row, swi_w, cidx_row, sci_k,
-              D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_SPLITS: gl.constexpr):
-    """Stage q, then the scores, online softmax and ``P @ rows`` of every block as it lands;
-    returns (acc, m, l). q is loaded here, not before the partitions fork, so that the producer's
-    first copies are in flight while q arrives."""
+def _store_out(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
+               o_l: gl.constexpr, WG: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Warpgroup ``WG``'s 256 output columns (``m_i``, ``l_i`` in ``SliceLayout(1, o_l)``)."""
+    HALF: gl.constexpr = D // 2
+    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    if NUM_SPLITS == 1:
+        sink = gl.load(sink_ptr + offs_h).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(m_i, sink)
+        a_f = gl.exp2(m_i - m_f)
+        denom = l_i * a_f + gl.exp2(sink - m_f)
+        o = acc * (a_f / denom)[:, None]
+        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+    else:
+        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
+        if WG == 0:
+            gl.store(part_m_ptr + row + offs_h, m_i)
+            gl.store(part_l_ptr + row + offs_h, l_i)
+        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
+
+
+@gluon.jit
+def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
+            cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+            sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+            D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            NUM_SPLITS: gl.constexpr):
+    """Warpgroup 0: q staged, every block's scores and softmax, P handed on, its half of P @ rows, its epilogue."""
+    HALF: gl.constexpr = D // 2
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     offs_hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    offs_dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
-    q_smem.store(gl.load(q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]))
+    offs_dq = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_l))
+    q_ptrs = q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]
+    q_smem.index(0).store(gl.load(q_ptrs))
+    q_smem.index(1).store(gl.load(q_ptrs + HALF))
     fence_async_shared()  # q (plain stores) visible to wgmma (async proxy) ...
-    # ... every consumer thread's: each warpgroup's scores wgmma reads all 64 q rows, half of them
-    # stored by the other warpgroup, and the wait on block 0's `full` barrier does not order the
-    # two warpgroups. Session 19's kernel lacked this barrier: a race in principle, never seen on
-    # the H200 (q lands before block 0's rows; the poisoned-shared-memory test passed without it)
-    gl.thread_barrier()
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D // 2, 16])
+    gl.thread_barrier()  # ... every scorer thread's
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, s_l)
     col_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    pair_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
 
     offs_n = gl.arange(0, BLOCK_N, layout=col_l)
+    offs_hr = gl.arange(0, BLOCK_H, layout=row_l)
     v = lo + offs_n
     loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, o_l))
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
-        e = ring.index(slot)
+        pb = j % 2
         bias = gl.where(_valid(v, _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP), 0.0, float("-inf"))
         v = v + BLOCK_N
-        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # next block's, picked next iteration
+        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
         mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
         fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem.index(0), ring.index(2 * slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem.index(1), ring.index(2 * slot + 1).permute((1, 0)), s, is_async=True)
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # also this warpgroup's P @ rows of block j - 1
         logits = s * scale_log2e + bias[None, :]
-        m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-        red_smem.store(m_wg)
-        gl.thread_barrier()  # B1: maxima stored; both warpgroups done with block j - 1 and P
-        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)  # block j - 1's slot
-        m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
-        m_new = gl.maximum(m_i, m_blk)
+        m_new = gl.maximum(m_i, gl.max(logits, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha[:, None] + p
+        l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()  # P visible to wgmma
-        gl.thread_barrier()  # B2
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
-        acc = warpgroup_mma(p_smem, e, acc, is_async=True)
+        # the P buffer of block j - 2 must have been read by warpgroup 1 (the first round is free)
+        mbarrier.wait(pfree.index(pb), ((j // 2) + 1) & 1, pred=j >= 2)
+        p_smem.index(pb).store(p.to(gl.bfloat16))
+        alpha_smem.index(pb).store(alpha)
+        fence_async_shared()  # P visible to both warpgroups' wgmma
+        gl.thread_barrier()  # every thread's P and alpha stored; this warpgroup's P @ rows of block j - 1 done
+        mbarrier.arrive(pfull.index(pb))
+        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        acc = warpgroup_mma(p_smem.index(pb), ring.index(2 * slot), acc, is_async=True)
+        # waited for here, not under the next block's scores: in flight across the back edge, ptxas serialised
+        # every wgmma of the kernel (C7515)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma_init(acc)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc, m_i, gl.sum(l_i, 1)
+    ml_smem.index(0).store(m_i)
+    ml_smem.index(1).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(done.index(0))
+    _store_out(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l), sink_ptr, out_ptr, part_m_ptr,
+               part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h, o_l, 0, D, BLOCK_H, NUM_SPLITS)
+
+
+@gluon.jit
+def _helper(ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+            sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+            D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            NUM_SPLITS: gl.constexpr):
+    """Warpgroup 1: its half of P @ rows for every block, rescaled by warpgroup 0's factors; its epilogue."""
+    HALF: gl.constexpr = D // 2
+    lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HALF, 16])
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, o_l))
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        pb = j % 2
+        mbarrier.wait(pfull.index(pb), (j // 2) & 1)
+        alpha = alpha_smem.index(pb).load(orow_l)
+        acc = warpgroup_mma_wait(0, deps=[acc])  # P @ rows of block j - 1 (already waited for below)
+        gl.thread_barrier()  # every helper thread past it
+        mbarrier.arrive(pfree.index(1 - pb), pred=j > 0)  # block j - 1's P buffer
+        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem.index(pb), ring.index(2 * slot + 1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = warpgroup_mma_init(acc)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.wait(done.index(0), 0)
+    m_i = ml_smem.index(0).load(orow_l)
+    l_i = ml_smem.index(1).load(orow_l)
+    _store_out(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
+               o_l, 1, D, BLOCK_H, NUM_SPLITS)
 
 
 @gluon.jit
@@ -201,44 +266,51 @@ def sparse_attention_gluon_ws_kernel(
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_SPLITS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PUBLISH: gl.constexpr,
 ):
-    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
+    gl.static_assert(gl.num_warps() == 4, "the scoring warpgroup is the default partition")
     pid_t = gl.program_id(0)
     pid_sp = gl.program_id(1)
     scale_log2e = scale_log2e.to(gl.float32)
     b = pid_t.to(gl.int64)
+    HALF: gl.constexpr = D // 2
 
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
-    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    red_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D // 2, 16])
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
-    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], red_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, HALF], q_sl)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HALF], e_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_sl)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
+    ml_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
     full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(NUM_STAGES):
-        # PUBLISH 0: one async arrival a producer thread; 1: one arrival once all have fenced
         mbarrier.init(full.index(st), count=PRODUCER_WARPS * 32 if PUBLISH == 0 else 1)
-        mbarrier.init(empty.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)
+    for st in gl.static_range(2):
+        mbarrier.init(pfull.index(st), count=1)
+        mbarrier.init(pfree.index(st), count=1)
+    mbarrier.init(done.index(0), count=1)
 
-    # each partition reads its split's range itself: a load before the fork would hold the producer back
     cmp_len_row = cmp_len_ptr + b * scl_b
     kv_row0 = kv_ptr + b * skv_b
     cmp_row0 = cmp_ptr + b * sc_b
     widx_row = kv_idx_ptr + b * swi_b
     cidx_row = cmp_idx_ptr + b * sci_b
+    q_row = q_ptr + b * sq_b
 
-    acc, m_i, l_i = gl.warp_specialize([
-        (_consumer, (q_ptr + b * sq_b, sq_h, q_smem, ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV,
-                     N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
+    gl.warp_specialize([
+        (_scorer, (q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
+                   cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
+        (_helper, (ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
         (_producer, (ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
                      widx_row, swi_w, cidx_row, sci_k, D, BLOCK_N, NUM_STAGES, PUBLISH, NUM_SPLITS)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
-              so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
+    ], [4, PRODUCER_WARPS], [HELPER_REGS, PRODUCER_REGS])
