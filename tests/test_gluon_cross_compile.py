@@ -91,11 +91,6 @@ def _under_wgmma(ptx: str, dot: str, prefix: str) -> list:
 
 
 def _resources(compiled) -> dict:
-    import subprocess
-    import tempfile
-
-    import triton
-
     res = {"shared": compiled.metadata.shared}
     ptx = compiled.asm["ptx"]
     # wgmma.mma_async.sync.aligned.m64n<N>k16.f32.bf16.bf16: one N per distinct instruction shape
@@ -111,18 +106,31 @@ def _resources(compiled) -> dict:
     res["cp_wait"] = len(re.findall(r"cp\.async\.wait_group", ptx))
     res["cp_mbarrier_arrive_noinc"] = len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx))
     res["setmaxnreg"] = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-    if (bin_dir / "ptxas").exists():
-        # ptxas C7512/C7514/C7515: too few registers, or a register of an in-flight wgmma touched (or
-        # not provably untouched), and every wgmma of the kernel serialized -- what keeps async
-        # wgmma async (session 24 met C7512 and C7515 along with C7514)
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "k.ptx").write_text(ptx)
-            text = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-o", str(Path(d) / "k.cubin"),
-                                   str(Path(d) / "k.ptx")], capture_output=True, text=True).stderr
-        res["wgmma_serialized"] = "wgmma.mma_async instructions are serialized" in text
+    serialized = _wgmma_serialized(ptx)
+    if serialized is not None:
+        res["wgmma_serialized"] = serialized
     res.update(_register_usage(compiled))
     return res
+
+
+def _wgmma_serialized(ptx: str):
+    """Whether ptxas serialized the kernel's wgmmas (None: no ptxas in this Triton wheel). C7512/C7514/C7515: too
+    few registers, or a register of an in-flight wgmma touched (or not provably untouched), and every wgmma of the
+    kernel waits for the one before -- what keeps async wgmma async (session 24 met C7512 and C7515 along with
+    C7514, the one code this check looked for until then)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
+    if not (bin_dir / "ptxas").exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(ptx)
+        text = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", "-o", str(Path(d) / "k.cubin"),
+                               str(Path(d) / "k.ptx")], capture_output=True, text=True).stderr
+    return "wgmma.mma_async instructions are serialized" in text
 
 
 def _register_usage(compiled) -> dict:

@@ -439,10 +439,14 @@ def sparse_attention_gluon_fp8_kernel(
 
 def fp8_smem_bytes(block_n: int, num_stages: int, e_bufs: int, variant: str = "v0") -> int:
     """The kernel's explicit shared memory (the compiler may add a little for layout conversions).
-    ws: no bias ring (the consumers compute the bias), ``e_bufs`` decoded slots (its ``E_STAGES``)."""
-    bias = (num_stages + 1) * block_n * 4 if variant == "v0" else 0
+    ws: no bias ring (the scorer computes the bias), ``e_bufs`` decoded slots (its ``E_STAGES``), P two deep
+    and the rescale factors and final row stats handed between its two MMA warpgroups."""
+    if variant == "v0":
+        extra = (num_stages + 1) * block_n * 4 + BLOCK_H * block_n * 2 + BLOCK_H * 2 * 4  # bias ring, P, maxima
+    else:
+        extra = 2 * BLOCK_H * block_n * 2 + 4 * BLOCK_H * 4
     return (BLOCK_H * HEAD_DIM * 2 + num_stages * block_n * (512 + 128 + SCALE_BYTES)
-            + e_bufs * block_n * HEAD_DIM * 2 + BLOCK_H * block_n * 2 + bias + BLOCK_H * 2 * 4)
+            + e_bufs * block_n * HEAD_DIM * 2 + extra)
 
 
 # variant -> (BLOCK_N, NUM_STAGES byte blocks, decoded buffers or None: two when they fit) unless told.
@@ -611,7 +615,8 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
             codes_swizzle = ws.CODES_SWIZZLE
         meta.update(L3_ROW=ws.L3_ROW, CODES_SWIZZLE=bool(codes_swizzle and one_store))
         kernel = ws.sparse_attention_gluon_fp8_ws_kernel
-        meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS)
+        meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS,
+                    num_warps=ws.NUM_WARPS)
     else:
         kernel = sparse_attention_gluon_fp8_kernel
         meta.update(E_BUFS=cfg["E_BUFS"])

@@ -16,17 +16,19 @@ Here the two roles run side by side, as in ``sparse_attention_ws.py`` (the bf16 
   mbarrier), and publishes the decoded block (``fence.proxy.async`` for the wgmma's proxy, a
   partition barrier, one arrival on ``full``). Once a block is decoded its byte slot is refilled
   with the block ``NUM_STAGES`` ahead.
-- The 8 *consumer* warps (``_consumer``, the bf16 ``ws`` kernel's until session 24): wait on ``full``,
-  scores, the row max exchanged through shared memory, online softmax, ``P @ rows`` left in flight,
-  the slot freed once both warpgroups' ``P @ rows`` of that block has completed. Their score bias
-  follows the decoder's copy mask (``_valid``: the same rule as ``_entry_pointers``).
+- The two MMA warpgroups are the bf16 ``ws`` kernel's (``_scorer``, ``_helper``; since session 24): the scorer
+  waits on ``full``, scores a block whole, runs the online softmax and hands P and the rescale factors to the
+  helper; each issues ``P @ rows`` over its 256 channels and writes them; a decoded slot is freed once both have
+  read it (``empty`` counts two). Until session 24 8 consumer warps each scored half of a block's rows and
+  exchanged the row maxima through shared memory. The score bias follows the decoder's copy mask (``_valid``: the
+  same rule as ``_entry_pointers``).
 
 FP8 modes 2 (FP8 window and pool pages) and 1 (bf16 window rows, loaded by the decoder, and an FP8
 pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks: ``gluon_fp8_launch``
 (``variant="ws"``).
 
 Shared memory: q 64 KB + ``E_STAGES x BLOCK_N`` KB of decoded rows + ``NUM_STAGES x BLOCK_N x 648`` B
-of raw bytes + P ``64 x BLOCK_N x 2`` B + the maxima (``fp8_smem_bytes``).
+of raw bytes + P ``2 x 64 x BLOCK_N x 2`` B + the rescale factors and row stats (``fp8_smem_bytes``).
 
 Status (H200; BENCHMARKS.md, sessions 21 and 22): the default FP8 reader, bit for bit v0's values. Session 21:
 CSA 32K B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4), decoder-bound
@@ -36,7 +38,9 @@ first, ``benchmarks/ncu_gluon.py``) cut the loop to 530 instructions: the copies
 and mask computed once in its warp (``_row_lane_layout``, ``_issue_rows``; the 32 lanes of a row used to repeat
 it) and its indices picked an iteration after their loads (21% of the decoder's stall samples were a select
 waiting for them). The byte ring's rows are swizzled (``CODES_SWIZZLE``) against the 4-way bank conflicts of the
-one-store decode's reads. CSA 32K: B=1 15.8, B=64 34.3, B=128 54.1 us.
+one-store decode's reads. CSA 32K: B=1 15.8, B=64 34.3, B=128 54.1 us. Session 24 (the bf16 ws kernel's scorer and
+helper as the MMA warps): B=1 15.3, B=64 32.3, B=128 46.9; a 4K-entry dense prefix at B=128 448 against 507; mode 1
+B=128 69.0; still 0 mismatches against the Triton FP8 kernel in every mode and split.
 """
 from __future__ import annotations
 
@@ -44,18 +48,18 @@ from triton.experimental import gluon
 from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                             warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
+from .sparse_attention import _load_entry_index, _pick_entry_index, _split_range
 from .sparse_attention_fp8 import (_copy_data_bytes, _copy_scale_bytes, _decode_block, _decode_block_3d,
                                    _entry_pointers, _rows_3d)
-from .sparse_attention_ws import _valid
+from .sparse_attention_ws import HELPER_REGS, _helper, _scorer
 
-__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW",
+__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "NUM_WARPS", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW",
            "CODES_SWIZZLE"]
 
 # 4 decoder warps: 8 leave ptxas 128 registers a thread for the whole kernel, too few for the MMA warps
+NUM_WARPS = 4  # the kernel's: the bf16 ws kernel's scorer partition (the launcher reads it)
 DECODER_WARPS = 4
 DECODER_REGS = 112
 # FP8 mode 2: rows decoded as one [16, 8, 64] tensor and stored at once (0: a 64-channel block at a
@@ -93,74 +97,6 @@ def _codes_3d_layout(block_n):
     bases = [[0, 0, 1 << b] for b in range(6)] + [[0, 1 << b, 0] for b in range(3)] + [[1, 1, 0]]
     bases += [[1 << b, 0, 0] for b in range(1, block_n.bit_length() - 1)]
     return gl.SharedLinearLayout(bases)
-
-
-@gluon.jit
-def _consumer(q_row, sq_h, q_smem, ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV,
-              N_CMP, widx_row, swi_w, cidx_row, sci_k,
-              D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              NUM_SPLITS: gl.constexpr):
-    """Stage q, then the scores, online softmax and ``P @ rows`` of every block as it lands (8 warps: each
-    warpgroup scores half of a block's rows; the bf16 ``ws`` kernel ran this until session 24);
-    returns (acc, m, l). q is loaded here, not before the partitions fork, so that the producer's
-    first copies are in flight while q arrives."""
-    lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    offs_hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    offs_dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
-    q_smem.store(gl.load(q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]))
-    fence_async_shared()  # q (plain stores) visible to wgmma (async proxy) ...
-    # ... every consumer thread's: each warpgroup's scores wgmma reads all 64 q rows, half of them
-    # stored by the other warpgroup, and the wait on block 0's `full` barrier does not order the
-    # two warpgroups. Session 19's kernel lacked this barrier: a race in principle, never seen on
-    # the H200 (q lands before block 0's rows; the poisoned-shared-memory test passed without it)
-    gl.thread_barrier()
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D // 2, 16])
-    row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_l)
-    pair_l: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[BLOCK_H, 2])
-
-    offs_n = gl.arange(0, BLOCK_N, layout=col_l)
-    v = lo + offs_n
-    loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, D], gl.float32, o_l))
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
-    for j in range(n_blocks):
-        slot = j % NUM_STAGES
-        e = ring.index(slot)
-        bias = gl.where(_valid(v, _pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP), 0.0, float("-inf"))
-        v = v + BLOCK_N
-        loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # next block's, picked next iteration
-        mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
-        fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # also this warpgroup's P @ rows of block j - 1
-        logits = s * scale_log2e + bias[None, :]
-        m_wg = gl.max(gl.reshape(logits, [BLOCK_H, 2, BLOCK_N // 2]), 2)
-        red_smem.store(m_wg)
-        gl.thread_barrier()  # B1: maxima stored; both warpgroups done with block j - 1 and P
-        mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)  # block j - 1's slot
-        m_blk = gl.convert_layout(gl.max(red_smem.load(pair_l), 1), row_l, assert_trivial=True)
-        m_new = gl.maximum(m_i, m_blk)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha[:, None] + p
-        m_i = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()  # P visible to wgmma
-        gl.thread_barrier()  # B2
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l), assert_trivial=True)[:, None]
-        acc = warpgroup_mma(p_smem, e, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc, m_i, gl.sum(l_i, 1)
 
 
 @gluon.jit
@@ -253,7 +189,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
     L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False,
 ):
-    gl.static_assert(gl.num_warps() == 8, "two consumer warpgroups")
+    gl.static_assert(gl.num_warps() == 4, "the scorer is the default partition")
     gl.static_assert(NUM_STAGES >= 1)
     gl.static_assert(E_STAGES >= 2)
     gl.static_assert(D == 512)
@@ -268,10 +204,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     flat_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, D // 2, 16])
+    v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
     e_ring = gl.allocate_shared_memory(gl.bfloat16, [E_STAGES, BLOCK_N, D], e_sl)
@@ -282,13 +215,22 @@ def sparse_attention_gluon_fp8_ws_kernel(
     codes_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 512], codes_sl)
     rope_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 128], flat_sl)
     scl_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, SCALE_BYTES], flat_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
-    red_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H, 2], flat_sl)
+    # the bf16 ws kernel's scorer -> helper hand-off: P and the rescale factors, two deep; the final row stats
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_sl)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
+    ml_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
     full = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [E_STAGES, 1], mbarrier.MBarrierLayout())
+    pfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(E_STAGES):
         mbarrier.init(full.index(st), count=1)  # one arrival once every decoder thread has fenced
-        mbarrier.init(empty.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)  # the scorer's and the helper's P @ rows done
+    for st in gl.static_range(2):
+        mbarrier.init(pfull.index(st), count=1)
+        mbarrier.init(pfree.index(st), count=1)
+    mbarrier.init(done.index(0), count=1)
 
     cmp_len_row = cmp_len_ptr + b * scl_b  # each partition reads its split's range (as the bf16 ws kernel)
     kv_row0 = kv_ptr + b * skv_b
@@ -296,14 +238,16 @@ def sparse_attention_gluon_fp8_ws_kernel(
     widx_row = kv_idx_ptr + b * swi_b
     cidx_row = cmp_idx_ptr + b * sci_b
 
-    acc, m_i, l_i = gl.warp_specialize([
-        (_consumer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, red_smem, full, empty, cmp_len_row, pid_sp,
-                     scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k, D, BLOCK_H, BLOCK_N, E_STAGES,
-                     NUM_SPLITS)),
+    gl.warp_specialize([
+        (_scorer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree,
+                   done, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
+        (_helper, (e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
                     DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS,
                     CODES_SWIZZLE)),
-    ], [DECODER_WARPS], [DECODER_REGS])
-    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp,
-              so_b, so_h, s_l, o_l, D, BLOCK_H, NUM_SPLITS)
+    ], [4, DECODER_WARPS], [HELPER_REGS, DECODER_REGS])

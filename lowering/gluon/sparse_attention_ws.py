@@ -3,12 +3,12 @@
 Three partitions of 4 warps each (``gl.warp_specialize``):
 
 - the *producer* gathers each 32-row block into a ring slot with 16-byte ``cp.async`` (invalid lanes zero-filled,
-  no memory read), each row as two 256-column halves, and publishes the block on the slot's ``full`` mbarrier once it
+  no memory read), and publishes the block on the slot's ``full`` mbarrier once it
   has landed (``PUBLISH``, ``_producer``), up to ``NUM_STAGES - 1`` blocks ahead of the consumers;
 - the *scorer* (warpgroup 0, the default partition) stages q and computes every block's scores alone: S[64 heads,
   32 rows] as 32 dependent m64n32k16 wgmmas, the online softmax, then hands P (bf16) and the block's rescale factors
   to warpgroup 1 through a two-deep shared buffer (``pfull`` / ``pfree`` mbarriers) and issues its own half of
-  ``P @ rows``;
+  ``P @ rows`` (the slot's first 256 columns, a slice of its shared-memory descriptor);
 - the *helper* (warpgroup 1) rescales its half of the accumulator by those factors and issues the other half of
   ``P @ rows``.
 
@@ -30,9 +30,13 @@ Launch split, contract, partials and ``combine_kernel``: as ``sparse_attention.p
 this kernel for ``variant="ws"``, with this module's ``NUM_WARPS``). Registers: the helper gets ``HELPER_REGS``, the
 producer ``PRODUCER_REGS``, the scorer the rest (``setmaxnreg``).
 
-Status (H200, BENCHMARKS.md, session 24): against session 23's 8-warp consumer, CSA 32K B=128 41.9 against 45.6 us,
-B=64 31.1 against 32.2; HCA B=128 32K 31.8 against 34.9, 128K 64.5 against 74.0; HCA B=64 128K 40.9 against 44.7.
-Correct against the float64 oracle and with every SM's shared memory poisoned before each launch.
+The FP8 reader (``sparse_attention_fp8_ws.py``) runs ``_scorer`` and ``_helper`` beside its decoder partition.
+
+Status (H200, BENCHMARKS.md, session 24): against session 23's 8-warp consumer (``benchmarks/ws_ab.py``), CSA 32K
+B=128 42.4 against 46.4 us, B=64 31.0 against 32.4; HCA B=128 32K 31.7 against 34.7, 128K 64.6 against 74.1; HCA
+B=64 128K 41.1 against 45.3. Through the public op, B >= 64 at 32K and 128K: 31.8-61.1% of the floor (50.4-52.7%
+and 30.7% before at the ends). Correct against the float64 oracle and with every SM's shared memory poisoned before
+each launch.
 """
 from __future__ import annotations
 
@@ -66,8 +70,7 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
               widx_row, swi_w, cidx_row, sci_k,
               D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PUBLISH: gl.constexpr,
               NUM_SPLITS: gl.constexpr):
-    """Gather every block's rows into the ring, ``NUM_STAGES`` blocks ahead at most, each row as two 256-column
-    halves (ring slots ``2 * slot`` and ``2 * slot + 1``: each warpgroup's ``P @ rows`` operand is one of them). The next
+    """Gather every block's rows into the ring, ``NUM_STAGES`` blocks ahead at most. The next
     block's row indices are loaded before this block's copies are issued, so their latency
     overlaps the wait for a free slot and the issue instead of preceding every block.
 
@@ -83,9 +86,8 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
     slower (BENCHMARKS.md, session 23)."""
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     LAG: gl.constexpr = NUM_STAGES - 2  # blocks issued but not yet published, past the newest
-    HALF: gl.constexpr = D // 2
     gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
-    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, gather_l))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, gather_l))
     v_next = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_l))
     loaded_next = _load_entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
     for j in range(n_blocks):
@@ -101,9 +103,7 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
         row = gl.where(v < W, kv_row0 + idx64 * skv_n, cmp_row0 + idx64 * sc_n)
         # the slot's previous block (j - NUM_STAGES) must have been consumed by both warpgroups; the first round is free
         mbarrier.wait(empty.index(slot), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
-        ptrs = row[:, None] + offs_d[None, :]
-        cp.async_copy_global_to_shared(ring.index(2 * slot), ptrs, mask=valid[:, None])
-        cp.async_copy_global_to_shared(ring.index(2 * slot + 1), ptrs + HALF, mask=valid[:, None])
+        cp.async_copy_global_to_shared(ring.index(slot), row[:, None] + offs_d[None, :], mask=valid[:, None])
         if PUBLISH == 0:
             cp.mbarrier_arrive(full.index(slot), increment_count=False)
         else:
@@ -154,10 +154,8 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     offs_hq = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
-    offs_dq = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_l))
-    q_ptrs = q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]
-    q_smem.index(0).store(gl.load(q_ptrs))
-    q_smem.index(1).store(gl.load(q_ptrs + HALF))
+    offs_dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+    q_smem.store(gl.load(q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]))
     fence_async_shared()  # q (plain stores) visible to wgmma (async proxy) ...
     gl.thread_barrier()  # ... every scorer thread's
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,8 +182,7 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
         loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
         mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
         fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        s = warpgroup_mma(q_smem.index(0), ring.index(2 * slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_smem.index(1), ring.index(2 * slot + 1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_smem, ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # also this warpgroup's P @ rows of block j - 1
         logits = s * scale_log2e + bias[None, :]
         m_new = gl.maximum(m_i, gl.max(logits, 1))
@@ -203,7 +200,7 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
         mbarrier.arrive(pfull.index(pb))
         mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        acc = warpgroup_mma(p_smem.index(pb), ring.index(2 * slot), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(pb), ring.index(slot).slice(0, HALF, dim=1), acc, is_async=True)
         # waited for here, not under the next block's scores: in flight across the back edge, ptxas serialised
         # every wgmma of the kernel (C7515)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -239,7 +236,7 @@ def _helper(ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_le
         mbarrier.arrive(pfree.index(1 - pb), pred=j > 0)  # block j - 1's P buffer
         mbarrier.arrive(empty.index((j + NUM_STAGES - 1) % NUM_STAGES), pred=j > 0)
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(p_smem.index(pb), ring.index(2 * slot + 1), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(pb), ring.index(slot).slice(HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         acc = warpgroup_mma_init(acc)
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -273,13 +270,13 @@ def sparse_attention_gluon_ws_kernel(
     b = pid_t.to(gl.int64)
     HALF: gl.constexpr = D // 2
 
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, HALF], gl.bfloat16)
-    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], gl.bfloat16)
+    e_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     v_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, HALF], q_sl)
-    ring = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HALF], e_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D], q_sl)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D], e_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_sl)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
     ml_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], v_sl)
