@@ -167,7 +167,6 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
     orow_l: gl.constexpr = gl.SliceLayout(1, o_l)
 
     offs_n = gl.arange(0, BLOCK_N, layout=col_l)
-    offs_hr = gl.arange(0, BLOCK_H, layout=row_l)
     v = lo + offs_n
     loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
@@ -183,7 +182,7 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
         mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
         fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
         s = warpgroup_mma(q_smem, ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # also this warpgroup's P @ rows of block j - 1
+        s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # (P @ rows of block j - 1 was waited for below)
         logits = s * scale_log2e + bias[None, :]
         m_new = gl.maximum(m_i, gl.max(logits, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
