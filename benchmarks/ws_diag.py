@@ -10,15 +10,14 @@ kernel), written to ``DIR`` and timed by ``benchmarks/ws_ab.py`` against today's
 - ``nocopy``: the producer's row copies all masked (zero-fill, no HBM read); index loads, issue and publishing stay.
 - ``nocompute``: nothing is computed: the scorer frees each block as soon as it has landed (its index loads stay),
   the helper takes no block.
-- ``neither``: both of the above: what is left is the launch, q, the index loads, the two partitions' handshakes
+- ``neither``: both of the above: what is left is the launch, q, the index loads, the partitions' handshakes
   and the epilogue.
 - ``noblocks``: no block at all in either partition: launch, q and the epilogue.
 
 ``--consumer --kernel ws23.py``: session 23's 8-warp consumer loop (``git show d3234e6:lowering/gluon/
 sparse_attention_ws.py > ws23.py``) taken apart instead (``CONSUMER_DIAGS``), each variant on top of its ``nocopy``:
 the scores over half or a quarter of D (16 or 8 dependent wgmmas instead of 32), no P @ rows, no P store (nor its
-fence and second barrier), no first barrier (the
-row maxima read unwaited).
+fence and second barrier), no first barrier (the row maxima read unwaited).
 """
 from __future__ import annotations
 

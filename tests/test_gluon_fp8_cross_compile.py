@@ -51,6 +51,7 @@ CONFIGS = {
     "ws_split2": dict(num_splits=2, variant="ws"),
     "ws_mode1_split1": dict(num_splits=1, variant="ws", mode=1),
     "ws_split1_per_block": dict(num_splits=1, variant="ws", one_store=0),
+    # a deeper byte ring (3 x 3 decoded buffers no longer fit beside session 24's two P buffers: 235,264 B)
     "ws_split1_s3_e2": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=2),
     # the byte ring's rows swizzled against the one-store decode's bank conflicts (a measured option)
     "ws_split1_swizzled": dict(num_splits=1, variant="ws", codes_swizzle=1),
