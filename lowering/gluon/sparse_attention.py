@@ -172,11 +172,13 @@ def _online_softmax(logits, m_i, m_blk, l_i):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
               s_l: gl.constexpr, o_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-              NUM_SPLITS: gl.constexpr):
+              NUM_SPLITS: gl.constexpr, COL0: gl.constexpr = 0, STATS: gl.constexpr = True):
     """One split: the sink folded in and the output stored; several: this split's fp32 partials
-    (max, sum, acc) for ``combine_kernel``."""
+    (max, sum, acc) for ``combine_kernel``. ``acc`` holds output columns ``COL0 ...`` (a warpgroup
+    that owns a slice of D: the ``ws`` kernel's); ``STATS``: this caller stores the split's max and
+    sum (one of the warpgroups that hold the same ones)."""
     offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    offs_o = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
     offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
     if NUM_SPLITS == 1:
         sink = gl.load(sink_ptr + offs_hs).to(gl.float32) * 1.4426950408889634
@@ -187,8 +189,9 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc
         gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
     else:
         row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
-        gl.store(part_m_ptr + row + offs_hs, m_i)
-        gl.store(part_l_ptr + row + offs_hs, l_i)
+        if STATS:
+            gl.store(part_m_ptr + row + offs_hs, m_i)
+            gl.store(part_l_ptr + row + offs_hs, l_i)
         gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
 
 

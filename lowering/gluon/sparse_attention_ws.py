@@ -12,7 +12,7 @@ Three partitions of 4 warps each (``gl.warp_specialize``):
 - the *helper* (warpgroup 1) rescales its half of the accumulator by those factors and issues the other half of
   ``P @ rows``.
 
-Each warpgroup owns 256 of the 512 output columns and writes them itself (``_store_out``); warpgroup 0 leaves the
+Each warpgroup owns 256 of the 512 output columns and writes them itself (``_epilogue``'s ``COL0``); warpgroup 0 leaves the
 final row maxima and sums in shared memory for warpgroup 1 (``done``). A ring slot is freed once both warpgroups'
 ``P @ rows`` of its block has completed (``empty`` counts two arrivals).
 
@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
-from .sparse_attention import _load_entry_index, _pick_entry_index, _split_range
+from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
 
 __all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "HELPER_REGS", "PUBLISH", "NUM_WARPS"]
 
@@ -122,28 +122,6 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
 
 
 @gluon.jit
-def _store_out(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
-               o_l: gl.constexpr, WG: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr, NUM_SPLITS: gl.constexpr):
-    """Warpgroup ``WG``'s 256 output columns (``m_i``, ``l_i`` in ``SliceLayout(1, o_l)``)."""
-    HALF: gl.constexpr = D // 2
-    offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-    if NUM_SPLITS == 1:
-        sink = gl.load(sink_ptr + offs_h).to(gl.float32) * 1.4426950408889634
-        m_f = gl.maximum(m_i, sink)
-        a_f = gl.exp2(m_i - m_f)
-        denom = l_i * a_f + gl.exp2(sink - m_f)
-        o = acc * (a_f / denom)[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
-    else:
-        row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
-        if WG == 0:
-            gl.store(part_m_ptr + row + offs_h, m_i)
-            gl.store(part_l_ptr + row + offs_h, l_i)
-        gl.store(part_acc_ptr + (row + offs_h)[:, None] * D + offs_o[None, :], acc)
-
-
-@gluon.jit
 def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
             cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
             sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
@@ -209,8 +187,8 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
     ml_smem.index(1).store(l_i)
     gl.thread_barrier()
     mbarrier.arrive(done.index(0))
-    _store_out(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l), sink_ptr, out_ptr, part_m_ptr,
-               part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h, o_l, 0, D, BLOCK_H, NUM_SPLITS)
+    _epilogue(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l), sink_ptr, out_ptr, part_m_ptr,
+              part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h, o_l, o_l, D, BLOCK_H, NUM_SPLITS, 0, True)
 
 
 @gluon.jit
@@ -242,8 +220,8 @@ def _helper(ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_le
     mbarrier.wait(done.index(0), 0)
     m_i = ml_smem.index(0).load(orow_l)
     l_i = ml_smem.index(1).load(orow_l)
-    _store_out(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
-               o_l, 1, D, BLOCK_H, NUM_SPLITS)
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
+              o_l, o_l, D, BLOCK_H, NUM_SPLITS, HALF, False)
 
 
 @gluon.jit
