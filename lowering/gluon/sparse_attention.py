@@ -393,8 +393,7 @@ def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | Non
         raise ValueError(f"sparse_attention_gluon: num_stages must be >= 2 (a slot computed, one filled), got {num_stages}")
     common = dict(BLOCK_N=block_n, NUM_STAGES=num_stages, NUM_SPLITS=cfg["NUM_SPLITS"], num_warps=NUM_WARPS,
                   variant=variant)
-    if variant == "ws":  # the warp-specialised kernel (sparse_attention_ws.py): its own constexprs
-        from . import sparse_attention_ws as ws  # noqa: PLC0415 (it imports this module's helpers)
+    if variant == "ws":  # the warp-specialised kernel (sparse_attention_ws.py, imported above): its own constexprs
         return dict(common, kernel=ws.sparse_attention_gluon_ws_kernel, num_warps=getattr(ws, "NUM_WARPS", NUM_WARPS),
                     extra=dict(PRODUCER_WARPS=ws.PRODUCER_WARPS, PRODUCER_REGS=ws.PRODUCER_REGS,
                                PUBLISH=ws.PUBLISH))
