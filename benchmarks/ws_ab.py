@@ -14,6 +14,11 @@ reads both). Cases: the per-kernel benchmark's V4-Flash inputs (``benchmarks/ker
 ``benchmarks/timing.kernel_time`` (CUDA graphs, L2-cold input copies) three times per version,
 alternating, and each file's output is compared with today's (max abs difference: 0 when only the
 schedule changed). One line a case: ``... new <best> us [...] <stem> <best> us [...] ... max|new-<stem>| ...``.
+
+    PYTHONPATH=$PWD python3 benchmarks/ws_ab.py --fp8 Q_REG_COLS=128,HELPER_REGS=168 [...]
+
+The FP8 reader (``sparse_attention_fp8_ws.py``) the same way, on FP8 caches (``cache="fp8"``), its versions being
+settings of that module's constants (the launcher passes them to the kernel, so each is its own compilation).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import lowering.gluon.sparse_attention_ws as new  # noqa: E402
 from benchmarks.kernel_bench import cases as C  # noqa: E402
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from lowering.gluon import sparse_attention as ga  # noqa: E402
+from lowering.gluon import sparse_attention_fp8_ws as fp8_ws  # noqa: E402
+from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8  # noqa: E402
 
 CASES = [("hca", 128, 32768), ("hca", 128, 131072), ("hca", 64, 131072), ("csa", 64, 32768), ("csa", 128, 32768)]
 REPEATS = 3
@@ -43,28 +50,54 @@ def load_old(path: str):
     return module
 
 
-def use(module) -> None:
+def use_module(module) -> None:
     """The module ``gluon_config`` imports for ``variant="ws"``."""
     sys.modules["lowering.gluon.sparse_attention_ws"] = module
     gluon_pkg.sparse_attention_ws = module
 
 
+def fp8_setting(spec: str) -> dict:
+    """``NAME=int,...`` -> constants of ``sparse_attention_fp8_ws``; ValueError naming a bad one."""
+    setting = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if not hasattr(fp8_ws, name) or not value.lstrip("-").isdigit():
+            raise ValueError(f"ws_ab --fp8: {item!r} is not NAME=int for a constant of sparse_attention_fp8_ws")
+        setting[name] = int(value)
+    return setting
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    fp8 = bool(args) and args[0] == "--fp8"
+    args = args[1:] if fp8 else args
     if not args:
         print(__doc__)
         return 2
     if not torch.cuda.is_available():
         print("ws_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
-    stems = [Path(path).stem for path in args]
-    if len(set(stems)) != len(stems) or "new" in stems:
-        print(f"ws_ab: the module files need distinct names other than 'new', got {stems}", file=sys.stderr)
-        return 2
+    if fp8:
+        today = {name: getattr(fp8_ws, name) for spec in args for name in fp8_setting(spec)}
+        versions = (("new", today),) + tuple((spec, fp8_setting(spec)) for spec in args)
+        op = sparse_attention_gluon_fp8
+
+        def use(setting):
+            for name, value in setting.items():
+                setattr(fp8_ws, name, value)
+    else:
+        stems = [Path(path).stem for path in args]
+        if len(set(stems)) != len(stems) or "new" in stems:
+            print(f"ws_ab: the module files need distinct names other than 'new', got {stems}", file=sys.stderr)
+            return 2
+        versions = (("new", new),) + tuple((Path(path).stem, load_old(path)) for path in args)
+        use = use_module
+
+        def op(*a):
+            return ga.sparse_attention_gluon(*a, variant="ws")
     dev = torch.device("cuda")
-    versions = (("new", new),) + tuple((Path(path).stem, load_old(path)) for path in args)
     for kind, B, ctx in CASES:
-        case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash")
+        case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash", cache="fp8" if fp8 else "bf16")
         first = case.make(dev)
         size = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
         copies = [first] + [case.make(dev) for _ in range(rotation_copies(size // 2, size, l2_bytes(dev), 20 * 2**30) - 1)]
@@ -72,10 +105,10 @@ def main(argv=None) -> int:
         for _ in range(REPEATS):
             for name, module in versions:
                 use(module)
-                outs[name] = ga.sparse_attention_gluon(*first, variant="ws")
-                calls = [lambda a=a: ga.sparse_attention_gluon(*a, variant="ws") for a in copies]
+                outs[name] = op(*first)
+                calls = [lambda a=a: op(*a) for a in copies]
                 times[name].append(kernel_time(calls, dev, 30.0).us)
-        use(new)
+        use(versions[0][1])
         diffs = "  ".join(f"max|new-{name}| {(outs['new'].float() - outs[name].float()).abs().max().item():.3g}"
                           for name, _ in versions[1:])
         print(f"{kind} B={B} ctx={ctx}: " + "  ".join(f"{n} {min(t):.2f} us {[round(x, 2) for x in t]}"

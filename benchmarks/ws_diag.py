@@ -13,6 +13,8 @@ kernel), written to ``DIR`` and timed by ``benchmarks/ws_ab.py`` against today's
 - ``neither``: both of the above: what is left is the launch, q, the index loads, the partitions' handshakes
   and the epilogue.
 - ``noblocks``: no block at all in either partition: launch, q and the epilogue.
+- ``noblocks_noq``, ``noblocks_noout``, ``noblocks_neither``: that, and q not read (zeros staged), or no epilogue
+  (neither the output nor the split's partials stored), or both: the fixed cost taken apart.
 
 ``--consumer --kernel ws23.py``: session 23's 8-warp consumer loop (``git show d3234e6:lowering/gluon/
 sparse_attention_ws.py > ws23.py``) taken apart instead (``CONSUMER_DIAGS``), each variant on top of its ``nocopy``:
@@ -76,8 +78,23 @@ def _replace(text: str, old: str, new: str, count: int) -> str:
     return text.replace(old, new)
 
 
+_Q_LOAD = "    q_smem.store(gl.load(q_row + offs_hq[:, None] * sq_h + offs_dq[None, :]))\n"
+_NO_Q_LOAD = "    q_smem.store(gl.zeros([BLOCK_H, D], gl.bfloat16, q_l))  # diag: q not read\n"
+_EPILOGUE = "    _epilogue(acc, "
+_NO_EPILOGUE = "    if pid_t < 0:  # diag: no epilogue (never true)\n        _epilogue(acc, "
+
+
+def _no_q(text: str) -> str:
+    return _replace(text, _Q_LOAD, _NO_Q_LOAD, 1)
+
+
+def _no_out(text: str) -> str:
+    return _replace(text, _EPILOGUE, _NO_EPILOGUE, 2)
+
+
 DIAGS = {"nocopy": _no_copy, "nocompute": _no_compute, "neither": lambda t: _no_copy(_no_compute(t)),
-         "noblocks": _no_blocks}
+         "noblocks": _no_blocks, "noblocks_noq": lambda t: _no_q(_no_blocks(t)),
+         "noblocks_noout": lambda t: _no_out(_no_blocks(t)), "noblocks_neither": lambda t: _no_out(_no_q(_no_blocks(t)))}
 
 # the 8-warp consumer loop of the session-23 kernel (d3234e6) taken apart (``--consumer --kernel FILE``), each on
 # top of its ``nocopy`` so that the loop sets the time: what showed the scores' shared-memory operands to be the cost

@@ -11,6 +11,7 @@ Same method as ``test_gluon_cross_compile.py`` (whose small helpers are copied h
 launcher runs on ``meta`` tensors, each launch is compiled by ``triton.compile`` from a
 ``GluonASTSource`` specialised as the JIT would, in a subprocess without ``TRITON_INTERPRET``.
 """
+import collections
 import json
 import os
 import re
@@ -76,6 +77,8 @@ def _resources(compiled) -> dict:
     res["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
     res["setmaxnreg_inc"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)})
     res["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
+    # global stores by width: st.global.b32 (4 B a thread), .v2.b32 (8 B), .v4.b32 (16 B)
+    res["st_global"] = dict(collections.Counter(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
     serialized = _wgmma_serialized(ptx)
     if serialized is not None:
         res["wgmma_serialized"] = serialized
@@ -204,15 +207,32 @@ def test_ws_decodes_in_its_own_warps(compiled, config):
     """ws is warp-specialised: three 4-warp partitions, the decoder's registers set to ``DECODER_REGS``, the helper
     MMA warpgroup's to ``HELPER_REGS`` and the scorer's to more (``setmaxnreg``), within the register file; v0's
     kernel has no partitions."""
-    from lowering.gluon import sparse_attention_ws as bf16_ws
+    from lowering.gluon import sparse_attention_fp8_ws as fp8_ws
 
     r = compiled[config]
     assert "error" not in r, r["error"]
     regs = r["resources"]["setmaxnreg"]
-    assert r["meta"]["num_warps"] == 4 and r["meta"]["DECODER_REGS"] in regs and int(bf16_ws.HELPER_REGS) in regs, r
+    assert r["meta"]["HELPER_REGS"] == fp8_ws.HELPER_REGS and r["meta"]["Q_REG_COLS"] == fp8_ws.Q_REG_COLS, r["meta"]
+    assert r["meta"]["num_warps"] == 4 and r["meta"]["DECODER_REGS"] in regs and fp8_ws.HELPER_REGS in regs, r
     scorer = max(regs)
-    assert scorer > int(bf16_ws.HELPER_REGS), regs
+    assert scorer > fp8_ws.HELPER_REGS, regs
     assert compiled["split1"]["resources"]["setmaxnreg_inc"] == []
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
+def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
+    """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and stores them a
+    row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two partitions, nothing
+    narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte pieces of 8 rows) it took
+    ~5 us more a call at 128 programs (session 25). Several splits store the fp32 partials from that layout, 8 bytes
+    a thread (whole sectors; staging them gained nothing)."""
+    r = compiled[config]
+    assert "error" not in r, r["error"]
+    stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
+    if r["meta"]["NUM_SPLITS"] == 1:
+        assert stores == {"st.global.v4.b32": block_h * D * 2 // (16 * 128)}, stores
+    else:
+        assert "st.global.v4.b32" not in stores and stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
 
 
 def test_split_launch_uses_combine(compiled):

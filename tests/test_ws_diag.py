@@ -28,6 +28,12 @@ def test_each_variant_leaves_out_what_its_name_says(tmp_path):
     assert "mbarrier.init(empty.index(st), count=1" in texts["nocompute"]
     assert ws_diag._NO_COPY in texts["neither"] and ws_diag._NO_COMPUTE_LOOP in texts["neither"]
     assert texts["noblocks"].count("n_blocks = n_blocks * 0") == 3  # producer, scorer and helper
+    for name in ("noblocks_noq", "noblocks_noout", "noblocks_neither"):  # the fixed cost taken apart
+        assert texts[name].count("n_blocks = n_blocks * 0") == 3, name
+    assert ws_diag._NO_Q_LOAD in texts["noblocks_noq"] and ws_diag._Q_LOAD not in texts["noblocks_noq"]
+    assert ws_diag._NO_Q_LOAD in texts["noblocks_neither"] and ws_diag._NO_Q_LOAD not in texts["noblocks_noout"]
+    for name in ("noblocks_noout", "noblocks_neither"):  # both warpgroups' epilogues (output or partials) gone
+        assert texts[name].count("if pid_t < 0:  # diag: no epilogue") == 2, name
 
 
 def test_consumer_diags_take_apart_the_session_23_kernel(tmp_path, capsys):
@@ -71,3 +77,15 @@ def test_without_a_gpu_the_run_stops_after_writing_the_variants(tmp_path, capsys
     assert ws_diag.main(["--out", str(tmp_path)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"diag_{name}.py" for name in ws_diag.DIAGS)
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_ws_ab_fp8_versions_are_settings_of_the_fp8_readers_constants():
+    """``ws_ab.py --fp8 NAME=int,...``: each version sets constants of ``sparse_attention_fp8_ws`` (the launcher passes
+    them to the kernel); a name that is not one of them, or a value that is not an integer, is refused by name."""
+    from benchmarks import ws_ab
+
+    assert ws_ab.fp8_setting("Q_REG_COLS=128,HELPER_REGS=168") == {"Q_REG_COLS": 128, "HELPER_REGS": 168}
+    with pytest.raises(ValueError, match="'NOT_A_CONSTANT=1'"):
+        ws_ab.fp8_setting("STAGED_OUT=0,NOT_A_CONSTANT=1")
+    with pytest.raises(ValueError, match="'HELPER_REGS=many'"):
+        ws_ab.fp8_setting("HELPER_REGS=many")

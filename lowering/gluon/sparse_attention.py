@@ -172,11 +172,17 @@ def _online_softmax(logits, m_i, m_blk, l_i):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
               s_l: gl.constexpr, o_l: gl.constexpr, D: gl.constexpr, BLOCK_H: gl.constexpr,
-              NUM_SPLITS: gl.constexpr, COL0: gl.constexpr = 0, STATS: gl.constexpr = True):
+              NUM_SPLITS: gl.constexpr, COL0: gl.constexpr = 0, STATS: gl.constexpr = True, stage=0,
+              STAGED: gl.constexpr = False):
     """One split: the sink folded in and the output stored; several: this split's fp32 partials
     (max, sum, acc) for ``combine_kernel``. ``acc`` holds output columns ``COL0 ...`` (a warpgroup
     that owns a slice of D: the ``ws`` kernel's); ``STATS``: this caller stores the split's max and
-    sum (one of the warpgroups that hold the same ones)."""
+    sum (one of the warpgroups that hold the same ones). ``STAGED`` (one split): the output goes
+    through ``stage`` (shared memory of ``acc``'s shape and the output's dtype that nothing reads any
+    more), so that each warp stores whole rows, 16 bytes a thread. From the accumulator's layout each
+    store instruction writes 4 bytes a thread, 16-byte pieces of 8 rows: that store took ~8 of the ws
+    kernel's ~11.6 us fixed cost at 128 programs (session 25, BENCHMARKS.md). The fp32 partials of
+    several splits, 8 bytes a thread and whole 32-byte sectors, gained nothing staged."""
     offs_h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
     offs_o = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
     offs_hs = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_l))
@@ -186,7 +192,15 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc
         alpha = gl.exp2(m_i - m_f)
         denom = l_i * alpha + gl.exp2(sink - m_f)
         o = acc * gl.convert_layout(alpha / denom, gl.SliceLayout(1, o_l))[:, None]
-        gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
+        if STAGED:
+            stage.store(o.to(out_ptr.dtype.element_ty))
+            gl.thread_barrier()  # every thread's part staged
+            rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+            offs_hr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rows_l))
+            offs_or = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, rows_l))
+            gl.store(out_ptr + b * so_b + offs_hr[:, None] * so_h + offs_or[None, :], stage.load(rows_l))
+        else:
+            gl.store(out_ptr + b * so_b + offs_h[:, None] * so_h + offs_o[None, :], o.to(out_ptr.dtype.element_ty))
     else:
         row = (pid_t * NUM_SPLITS + pid_sp).to(gl.int64) * BLOCK_H
         if STATS:

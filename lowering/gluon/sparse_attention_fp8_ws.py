@@ -30,7 +30,7 @@ pool), as v0. Launch split, partials, ``combine_kernel`` and the argument checks
 Shared memory: q 64 KB + ``E_STAGES x BLOCK_N`` KB of decoded rows + ``NUM_STAGES x BLOCK_N x 648`` B
 of raw bytes + P ``2 x 64 x BLOCK_N x 2`` B + the rescale factors and row stats (``fp8_smem_bytes``).
 
-Status (H200; BENCHMARKS.md, sessions 21 and 22): the default FP8 reader, bit for bit v0's values. Session 21:
+Status (H200; BENCHMARKS.md, sessions 21 to 25): the default FP8 reader, bit for bit v0's values. Session 21:
 CSA 32K B=1 19.2 us (Triton FP8 kernel 20.3, v0 21.9), B=64 44.0 (v0 53.3), B=128 72.0 (v0 83.4), decoder-bound
 (its loop: 965 SASS instructions a 32-row block, run by one warp per SM sub-partition). Session 22 (Nsight Compute
 first, ``benchmarks/ncu_gluon.py``) cut the loop to 530 instructions: the copies' page arithmetic in unsigned
@@ -40,7 +40,8 @@ it) and its indices picked an iteration after their loads (21% of the decoder's 
 waiting for them). The byte ring's rows are swizzled (``CODES_SWIZZLE``) against the 4-way bank conflicts of the
 one-store decode's reads. CSA 32K: B=1 15.8, B=64 34.3, B=128 54.1 us. Session 24 (the bf16 ws kernel's scorer and
 helper as the MMA warps): B=1 15.3, B=64 32.3, B=128 46.9; a 4K-entry dense prefix at B=128 448 against 507; mode 1
-B=128 69.0; still 0 mismatches against the Triton FP8 kernel in every mode and split.
+B=128 69.0; still 0 mismatches against the Triton FP8 kernel in every mode and split. Session 25 (the output stored
+through q's shared memory, ``STAGED_OUT``): B=128 41.2, mode 1 B=128 61.3; B=1 and 64 (two splits) unchanged.
 """
 from __future__ import annotations
 
@@ -53,15 +54,20 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .sparse_attention import _load_entry_index, _pick_entry_index, _split_range
 from .sparse_attention_fp8 import (_copy_data_bytes, _copy_scale_bytes, _decode_block, _decode_block_3d,
                                    _entry_pointers, _rows_3d)
-from .sparse_attention_ws import HELPER_REGS, _helper, _scorer
+from .sparse_attention_ws import _helper, _scorer
 
-__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "NUM_WARPS", "DECODER_WARPS", "DECODER_REGS", "ONE_STORE_ROWS", "L3_ROW",
+__all__ = ["sparse_attention_gluon_fp8_ws_kernel", "NUM_WARPS", "DECODER_WARPS", "DECODER_REGS", "HELPER_REGS",
+           "Q_REG_COLS", "STAGED_OUT", "ONE_STORE_ROWS", "L3_ROW",
            "CODES_SWIZZLE"]
 
 # 4 decoder warps: 8 leave ptxas 128 registers a thread for the whole kernel, too few for the MMA warps
 NUM_WARPS = 4  # the kernel's: the bf16 ws kernel's scorer partition (the launcher reads it)
 DECODER_WARPS = 4
 DECODER_REGS = 112
+# the scorer and helper's registers split (``sparse_attention_ws``): the scorer gets 504 - HELPER_REGS - DECODER_REGS
+HELPER_REGS = 176
+Q_REG_COLS = 0  # q's columns in the scorer's registers (``sparse_attention_ws._scores``)
+STAGED_OUT = 1  # one split: the output stored through q's shared memory (``sparse_attention._epilogue``); 0: not
 # FP8 mode 2: rows decoded as one [16, 8, 64] tensor and stored at once (0: a 64-channel block at a
 # time, a membar CTA barrier before each store); 16 is the fewest rows 4 warps hold without duplicates
 ONE_STORE_ROWS = 16
@@ -187,7 +193,8 @@ def sparse_attention_gluon_fp8_ws_kernel(
     E_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, FP8: gl.constexpr, DECODE: gl.constexpr,
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
-    L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False,
+    L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False, HELPER_REGS: gl.constexpr = 176,
+    Q_REG_COLS: gl.constexpr = 0, STAGED_OUT: gl.constexpr = 0,
 ):
     gl.static_assert(gl.num_warps() == 4, "the scorer is the default partition")
     gl.static_assert(NUM_STAGES >= 1)
@@ -242,10 +249,10 @@ def sparse_attention_gluon_fp8_ws_kernel(
         (_scorer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree,
                    done, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
                    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
-                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
-        (_helper, (e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS, Q_REG_COLS, STAGED_OUT)),
+        (_helper, (q_smem, e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
                    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
-                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
+                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS, STAGED_OUT)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
                     DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS,

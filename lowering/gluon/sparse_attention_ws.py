@@ -13,7 +13,8 @@ Three partitions of 4 warps each (``gl.warp_specialize``):
   ``P @ rows``.
 
 Each warpgroup owns 256 of the 512 output columns and writes them itself (``_epilogue``'s ``COL0``); warpgroup 0 leaves the
-final row maxima and sums in shared memory for warpgroup 1 (``done``). A ring slot is freed once both warpgroups'
+final row maxima and sums in shared memory for warpgroup 1 (``done``). With one split each stages its bf16 output in
+its half of q's buffer and stores it a row a warp, 16 bytes a thread (``STAGED_OUT``). A ring slot is freed once both warpgroups'
 ``P @ rows`` of its block has completed (``empty`` counts two arrivals).
 
 Why (session 24, BENCHMARKS.md): until then both warpgroups of an 8-warp consumer each scored half of a block's rows
@@ -32,11 +33,13 @@ producer ``PRODUCER_REGS``, the scorer the rest (``setmaxnreg``).
 
 The FP8 reader (``sparse_attention_fp8_ws.py``) runs ``_scorer`` and ``_helper`` beside its decoder partition.
 
-Status (H200, BENCHMARKS.md, session 24): against session 23's 8-warp consumer (``benchmarks/ws_ab.py``), CSA 32K
-B=128 42.4 against 46.4 us, B=64 31.0 against 32.4; HCA B=128 32K 31.7 against 34.7, 128K 64.6 against 74.1; HCA
-B=64 128K 41.1 against 45.3. Through the public op, B >= 64 at 32K and 128K: 31.8-61.1% of the floor (50.4-52.7%
-and 30.7% before at the ends). Correct against the float64 oracle and with every SM's shared memory poisoned before
-each launch.
+Status (H200, BENCHMARKS.md, sessions 24 and 25): session 24's partitions took CSA 32K B=128 from 46.4 to 42.4 us
+against session 23's 8-warp consumer (``benchmarks/ws_ab.py``). Session 25 found the output's store from the
+accumulator's layout to cost ~8 of the ~11.6 us a call spent outside the loop at 128 programs (``ws_diag.py``'s
+no-block variants); staged through shared memory it costs ~2.6: through the public op, B=128 at 32K and 128K is now
+60.1-65.0% of the floor (50.4-61.1% before), B=64 32.1-47.5% (two splits: fp32 partials and the combine kernel, ~13 us
+of fixed cost, unchanged). Correct against the float64 oracle and with every SM's shared memory poisoned before each
+launch.
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .sparse_attention import _epilogue, _load_entry_index, _pick_entry_index, _split_range
 
-__all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "HELPER_REGS", "PUBLISH", "NUM_WARPS"]
+__all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS", "HELPER_REGS", "PUBLISH", "NUM_WARPS",
+           "Q_REG_COLS", "STAGED_OUT"]
 
 NUM_WARPS = 4  # the kernel's, i.e. the scorer's (the default partition); the launcher reads it
 PRODUCER_WARPS = 4
@@ -56,6 +60,10 @@ PRODUCER_WARPS = 4
 PUBLISH = 1
 PRODUCER_REGS = 80
 HELPER_REGS = gl.constexpr(176)  # acc[64, 256] fp32 is 128 a thread; 152 spilled
+# q's columns held in the scorer's registers as the scores' A operand (0, 128 or 256; ``_scores``)
+Q_REG_COLS = gl.constexpr(0)
+# one split: each warpgroup's output through its half of q's shared memory, stored a row a warp (``_epilogue``)
+STAGED_OUT = gl.constexpr(True)
 
 
 @gluon.jit
@@ -122,11 +130,37 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
 
 
 @gluon.jit
+def _q_register_part(q_smem, s_l: gl.constexpr, Q_REG_COLS: gl.constexpr):
+    """q's first ``Q_REG_COLS`` columns as the scores' register operand (loaded once; 0: none, a placeholder)."""
+    if Q_REG_COLS == 0:
+        return 0
+    else:
+        return q_smem.slice(0, Q_REG_COLS, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2))
+
+
+@gluon.jit
+def _scores(q_smem, q_reg, e, s_zero, Q_REG_COLS: gl.constexpr):
+    """S = q @ e^T as async wgmmas: q's first ``Q_REG_COLS`` columns from registers, the rest from shared memory,
+    in power-of-two column slices (a wgmma operand's shared-memory slice must be one)."""
+    if Q_REG_COLS == 0:
+        s = warpgroup_mma(q_smem, e.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        gl.static_assert((Q_REG_COLS == 128) | (Q_REG_COLS == 256), "Q_REG_COLS: 0, 128 or 256")
+        s = warpgroup_mma(q_reg, e.slice(0, Q_REG_COLS, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        if Q_REG_COLS == 128:
+            s = warpgroup_mma(q_smem.slice(128, 128, dim=1), e.slice(128, 128, dim=1).permute((1, 0)), s,
+                              is_async=True)
+        s = warpgroup_mma(q_smem.slice(256, 256, dim=1), e.slice(256, 256, dim=1).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
 def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
             cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
             sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
             D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_SPLITS: gl.constexpr):
+            NUM_SPLITS: gl.constexpr, Q_REG_COLS: gl.constexpr, STAGED_OUT: gl.constexpr):
     """Warpgroup 0: q staged, every block's scores and softmax, P handed on, its half of P @ rows, its epilogue."""
     HALF: gl.constexpr = D // 2
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
@@ -151,6 +185,7 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
     l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, o_l))
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_l)
+    q_reg = _q_register_part(q_smem, s_l, Q_REG_COLS)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         pb = j % 2
@@ -159,7 +194,7 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
         loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
         mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
         fence_async_shared()  # the cp.async writes (generic proxy) before the wgmma reads (async proxy)
-        s = warpgroup_mma(q_smem, ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = _scores(q_smem, q_reg, ring.index(slot), s_zero, Q_REG_COLS)
         s, acc = warpgroup_mma_wait(0, deps=[s, acc])  # (P @ rows of block j - 1 was waited for below)
         logits = s * scale_log2e + bias[None, :]
         m_new = gl.maximum(m_i, gl.max(logits, 1))
@@ -188,14 +223,15 @@ def _scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty,
     gl.thread_barrier()
     mbarrier.arrive(done.index(0))
     _epilogue(acc, gl.convert_layout(m_i, orow_l), gl.convert_layout(l_i, orow_l), sink_ptr, out_ptr, part_m_ptr,
-              part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h, o_l, o_l, D, BLOCK_H, NUM_SPLITS, 0, True)
+              part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h, o_l, o_l, D, BLOCK_H, NUM_SPLITS, 0, True,
+              q_smem.slice(0, HALF, dim=1), STAGED_OUT)  # (q is read no more)
 
 
 @gluon.jit
-def _helper(ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+def _helper(q_smem, ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
             sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
             D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            NUM_SPLITS: gl.constexpr):
+            NUM_SPLITS: gl.constexpr, STAGED_OUT: gl.constexpr):
     """Warpgroup 1: its half of P @ rows for every block, rescaled by warpgroup 0's factors; its epilogue."""
     HALF: gl.constexpr = D // 2
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
@@ -217,11 +253,11 @@ def _helper(ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_le
         acc = warpgroup_mma_wait(0, deps=[acc])
         acc = warpgroup_mma_init(acc)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    mbarrier.wait(done.index(0), 0)
+    mbarrier.wait(done.index(0), 0)  # (also: the scorer reads q no more)
     m_i = ml_smem.index(0).load(orow_l)
     l_i = ml_smem.index(1).load(orow_l)
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, pid_sp, so_b, so_h,
-              o_l, o_l, D, BLOCK_H, NUM_SPLITS, HALF, False)
+              o_l, o_l, D, BLOCK_H, NUM_SPLITS, HALF, False, q_smem.slice(HALF, HALF, dim=1), STAGED_OUT)
 
 
 @gluon.jit
@@ -281,10 +317,10 @@ def sparse_attention_gluon_ws_kernel(
         (_scorer, (q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
                    cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
                    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
-                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
-        (_helper, (ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
+                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS, Q_REG_COLS, STAGED_OUT)),
+        (_helper, (q_smem, ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
                    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
-                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
+                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS, STAGED_OUT)),
         (_producer, (ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
                      widx_row, swi_w, cidx_row, sci_k, D, BLOCK_N, NUM_STAGES, PUBLISH, NUM_SPLITS)),
     ], [4, PRODUCER_WARPS], [HELPER_REGS, PRODUCER_REGS])

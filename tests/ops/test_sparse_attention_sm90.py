@@ -112,9 +112,14 @@ STALE_SMEM_CASES = {
 
 def test_poisoned_shared_memory_is_what_the_next_kernel_finds():
     """The premise of the test below: shared memory survives from one kernel to the next, so a
-    kernel launched after the poison finds NaN where it has not written."""
+    kernel launched after the poison finds NaN where it has not written. Up to 20 tries, one of
+    which must see it: under pytest-xdist other processes' kernels can run on the SMs between the
+    poison and the peek (session 25 saw 0.0 twice in a row under -n 8 on one GPU)."""
     from smem_poison import shared_memory_seen_after_poison
-    assert shared_memory_seen_after_poison() > 0.99
+    seen = []
+    while len(seen) < 20 and (not seen or seen[-1] <= 0.99):
+        seen.append(shared_memory_seen_after_poison())
+    assert seen[-1] > 0.99, f"no try found the poison: {seen}"
 
 
 @pytest.mark.parametrize("splits", [1, 2])
