@@ -194,7 +194,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
     L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False, HELPER_REGS: gl.constexpr = 176,
-    Q_REG_COLS: gl.constexpr = 0, STAGED_OUT: gl.constexpr = 0,
+    Q_REG_COLS: gl.constexpr = 0, STAGED_OUT: gl.constexpr = 1,
 ):
     gl.static_assert(gl.num_warps() == 4, "the scorer is the default partition")
     gl.static_assert(NUM_STAGES >= 1)
@@ -250,8 +250,8 @@ def sparse_attention_gluon_fp8_ws_kernel(
                    done, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
                    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                    D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS, Q_REG_COLS, STAGED_OUT)),
-        (_helper, (q_smem, e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
-                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
+        (_helper, (q_smem, e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp,
+                   N_CMP, W, K, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                    D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS, STAGED_OUT)),
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,

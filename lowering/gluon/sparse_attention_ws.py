@@ -14,8 +14,8 @@ Three partitions of 4 warps each (``gl.warp_specialize``):
 
 Each warpgroup owns 256 of the 512 output columns and writes them itself (``_epilogue``'s ``COL0``); warpgroup 0 leaves the
 final row maxima and sums in shared memory for warpgroup 1 (``done``). With one split each stages its bf16 output in
-its half of q's buffer and stores it a row a warp, 16 bytes a thread (``STAGED_OUT``). A ring slot is freed once both warpgroups'
-``P @ rows`` of its block has completed (``empty`` counts two arrivals).
+its half of q's buffer and stores it a row a warp, 16 bytes a thread (``STAGED_OUT``). A ring slot is freed once both
+warpgroups' ``P @ rows`` of its block has completed (``empty`` counts two arrivals).
 
 Why (session 24, BENCHMARKS.md): until then both warpgroups of an 8-warp consumer each scored half of a block's rows
 (N = 16), so each read all of q (64 KB) from shared memory for every block: 160 KB of score operands a 32-row block,
@@ -60,7 +60,8 @@ PRODUCER_WARPS = 4
 PUBLISH = 1
 PRODUCER_REGS = 80
 HELPER_REGS = gl.constexpr(176)  # acc[64, 256] fp32 is 128 a thread; 152 spilled
-# q's columns held in the scorer's registers as the scores' A operand (0, 128 or 256; ``_scores``)
+# q's columns held in the scorer's registers as the scores' A operand (0, 128 or 256; ``_scores``). Session 25 (H200):
+# 256 (with HELPER_REGS 168) 1 us faster at HCA B=128, up to 0.6 us slower at B=64 and CSA; 128 within 0.3 us: off
 Q_REG_COLS = gl.constexpr(0)
 # one split: each warpgroup's output through its half of q's shared memory, stored a row a warp (``_epilogue``)
 STAGED_OUT = gl.constexpr(True)
