@@ -107,13 +107,17 @@ def _resources(compiled) -> dict:
     res["cp_wait"] = len(re.findall(r"cp\.async\.wait_group", ptx))
     res["cp_mbarrier_arrive_noinc"] = len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx))
     res["setmaxnreg"] = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    # global stores by width: st.global.b32 (4 B a thread), .v2.b32 (8 B), .v4.b32 (16 B)
-    res["st_global"] = dict(collections.Counter(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
+    res["st_global"] = global_stores(ptx)
     serialized = _wgmma_serialized(ptx)
     if serialized is not None:
         res["wgmma_serialized"] = serialized
     res.update(_register_usage(compiled))
     return res
+
+
+def global_stores(ptx: str) -> dict:
+    """How many of each width: st.global.b32 (4 bytes a thread), .v2.b32 (8), .v4.b32 (16)."""
+    return dict(collections.Counter(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
 
 
 def _wgmma_serialized(ptx: str):
@@ -290,20 +294,23 @@ def test_ws_gathers_in_a_producer_partition(compiled, config):
     assert 4 * 32 * (scorer[0] + int(ws.HELPER_REGS)) + ws.PRODUCER_WARPS * 32 * ws.PRODUCER_REGS <= 65536, res
 
 
-@pytest.mark.parametrize("config", WS_CONFIGS)
-def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
+def check_ws_output_stores(r: dict) -> None:
     """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and stores them a
     row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two partitions, nothing
     narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte pieces of 8 rows) it took
     ~5 us more a call at 128 programs (session 25). Several splits store the fp32 partials from that layout, 8 bytes
-    a thread (whole sectors; staging them gained nothing)."""
-    r = compiled[config]
+    a thread (whole sectors; staging them gained nothing). Shared with the FP8 reader's test (same MMA partitions)."""
     assert "error" not in r, r["error"]
     stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
     if r["meta"]["NUM_SPLITS"] == 1:
         assert stores == {"st.global.v4.b32": block_h * D * 2 // (16 * 128)}, stores
     else:
         assert "st.global.v4.b32" not in stores and stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
+
+
+@pytest.mark.parametrize("config", WS_CONFIGS)
+def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
+    check_ws_output_stores(compiled[config])
 
 
 def test_split_launch_uses_combine(compiled):

@@ -11,7 +11,6 @@ Same method as ``test_gluon_cross_compile.py`` (whose small helpers are copied h
 launcher runs on ``meta`` tensors, each launch is compiled by ``triton.compile`` from a
 ``GluonASTSource`` specialised as the JIT would, in a subprocess without ``TRITON_INTERPRET``.
 """
-import collections
 import json
 import os
 import re
@@ -22,7 +21,8 @@ import pytest
 from compiled_worker import run_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gluon_cross_compile import _register_usage, _source, _wgmma_serialized  # noqa: E402
+from test_gluon_cross_compile import (  # noqa: E402
+    _register_usage, _source, _wgmma_serialized, check_ws_output_stores, global_stores)
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
@@ -77,8 +77,7 @@ def _resources(compiled) -> dict:
     res["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
     res["setmaxnreg_inc"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)})
     res["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
-    # global stores by width: st.global.b32 (4 B a thread), .v2.b32 (8 B), .v4.b32 (16 B)
-    res["st_global"] = dict(collections.Counter(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
+    res["st_global"] = global_stores(ptx)
     serialized = _wgmma_serialized(ptx)
     if serialized is not None:
         res["wgmma_serialized"] = serialized
@@ -221,18 +220,8 @@ def test_ws_decodes_in_its_own_warps(compiled, config):
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
 def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
-    """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and stores them a
-    row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two partitions, nothing
-    narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte pieces of 8 rows) it took
-    ~5 us more a call at 128 programs (session 25). Several splits store the fp32 partials from that layout, 8 bytes
-    a thread (whole sectors; staging them gained nothing)."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
-    if r["meta"]["NUM_SPLITS"] == 1:
-        assert stores == {"st.global.v4.b32": block_h * D * 2 // (16 * 128)}, stores
-    else:
-        assert "st.global.v4.b32" not in stores and stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
+    """The bf16 ws kernel's output store (``check_ws_output_stores``): the FP8 reader runs its MMA partitions."""
+    check_ws_output_stores(compiled[config])
 
 
 def test_split_launch_uses_combine(compiled):
