@@ -52,6 +52,9 @@
 #             before each launch (tests/smem_poison.py): a read of shared memory before its writers stored it fails
 #   gluon-diagnose = where the Gluon kernel's time goes: the default vs each stage left out (no gather, no P @ rows,
 #             no softmax, no index loads, one block, no block) at B = 64, 128 (--diagnose; results not checked)
+#   attn-check = after a change to the Gluon attention: its sm_90 tests (the poisoned-shared-memory ones alone first),
+#             the FP8 reader's exactness + times, the gpu-marked FP8-cache model / route / trace tests, and the
+#             public op's grid for bf16 and FP8 caches at B = 1, 64, 128 x 32K, 128K (~6 min)
 #   gluon-fp8-check = the Gluon FP8-cache decode attention (lowering/gluon/sparse_attention_fp8.py, never run before):
 #             an exact one-entry check, then CSA / dense-prefix / float-window cases against the tl kernel and the
 #             reference at B = 1, 64, 128 (benchmarks/gluon_fp8_attention_check.py; ~4-6 min)
@@ -263,10 +266,26 @@ for what in "$@"; do
     gemv) { python3 -m pytest -q -m "gpu or not gpu" tests/ops/test_gemv.py -p no:cacheprovider &&
             python3 benchmarks/bench_gemv.py --sweep --out "$OUT/bench_gemv.json"; } 2>&1 | quiet \
             | tee "$OUT/bench_gemv.log" | grep -v "^\[sweep\] [0-9]" || rc=1 ;;
+    attn-check) # after a change to the Gluon attention (session 25's calls 3-4 in one): the poisoned-shared-memory tests
+          # alone (other processes' kernels would clear the poison), every sm_90 attention test under xdist, the FP8
+          # reader's exactness and times, the gpu-marked FP8-cache model / route / trace tests, then the public op's
+          # grid for both cache dtypes (7 files)
+          { python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -k "poisoned or stale" \
+              tests/ops/test_sparse_attention_sm90.py tests/ops/test_sparse_attention_sm90_fp8.py 2>&1 | tail -3
+            python3 -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m "gpu or not gpu" \
+              tests/ops/test_sparse_attention_sm90.py tests/ops/test_sparse_attention_sm90_fp8.py 2>&1 | tail -5
+            python3 -m pytest -q -p no:cacheprovider ${xdist:+-n 4} -m gpu tests/test_fp8_cache_model.py \
+              tests/test_gluon_route_switch.py tests/test_triton_op_trace.py 2>&1 | tail -5; } \
+            | tee "$OUT/attn_tests.log" | grep -e passed -e failed -e rror || rc=1
+          python3 benchmarks/gluon_fp8_attention_check.py --variants ws --batches 1 64 128 2>&1 \
+            | tee "$OUT/attn_fp8_check.log" | grep -v "^\.\.\." | tail -20 || rc=1
+          python3 benchmarks/bench_ops.py --kernels sparse_attention --shapes flash --batches 1 64 128 --contexts 32K 128K \
+              --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_attn" 2>&1 | quiet | tee "$OUT/bench_ops_attn.log" \
+            | tail -28 || rc=1 ;;
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu|ncu-gluon)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|attn-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu|ncu-gluon|hf|files-tests|smem-poison|sweep-sinkhorn|sweep-topk-b1|ncu-gluon-bf16)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -496,3 +496,19 @@ def test_gpu_attention_tools_import_and_refuse_a_machine_without_cuda(script):
                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 2, res.stderr[-2000:]
     assert "no CUDA device" in res.stdout
+
+
+def test_gpu_check_documents_and_names_every_mode():
+    """``benchmarks/gpu_check.sh``: each mode of its ``case`` is described in the header a newcomer reads, and the
+    message for an unknown mode lists them all (six were missing from it until session 25)."""
+    import re
+
+    text = (ROOT / "benchmarks/gpu_check.sh").read_text()
+    header, body = text[:text.index("set -uo pipefail")], text[text.index('for what in "$@"'):]
+    labels = set()
+    for m in re.finditer(r"^\s{4}([a-z][a-z0-9|-]*)\)", body, re.M):
+        labels.update(m.group(1).split("|"))
+    documented = set(re.findall(r"(?:^#\s+|;\s+|,\s+)([a-z][a-z0-9-]*)\s+=\s", header, re.M))
+    assert labels and labels <= documented, sorted(labels - documented)
+    listed = re.search(r"unknown mode \$what \(([^)]*)\)", body).group(1).split("|")
+    assert sorted(listed) == sorted(labels), (sorted(set(labels) - set(listed)), sorted(set(listed) - labels))
