@@ -212,6 +212,7 @@ def test_ws_decodes_in_its_own_warps(compiled, config):
     assert "error" not in r, r["error"]
     regs = r["resources"]["setmaxnreg"]
     assert r["meta"]["HELPER_REGS"] == fp8_ws.HELPER_REGS and r["meta"]["Q_REG_COLS"] == fp8_ws.Q_REG_COLS, r["meta"]
+    assert r["meta"]["DIAG_NO_DECODE"] == 0 and r["meta"]["DIAG_NO_COPY"] == 0, r["meta"]  # timing switches: off
     assert r["meta"]["num_warps"] == 4 and r["meta"]["DECODER_REGS"] in regs and fp8_ws.HELPER_REGS in regs, r
     scorer = max(regs)
     assert scorer > fp8_ws.HELPER_REGS, regs

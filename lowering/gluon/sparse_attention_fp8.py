@@ -617,7 +617,7 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
         kernel = ws.sparse_attention_gluon_fp8_ws_kernel
         meta.update(E_STAGES=cfg["E_BUFS"], DECODER_WARPS=ws.DECODER_WARPS, DECODER_REGS=ws.DECODER_REGS,
                     HELPER_REGS=ws.HELPER_REGS, Q_REG_COLS=ws.Q_REG_COLS, STAGED_OUT=ws.STAGED_OUT,
-                    num_warps=ws.NUM_WARPS)
+                    DIAG_NO_DECODE=ws.DIAG_NO_DECODE, DIAG_NO_COPY=ws.DIAG_NO_COPY, num_warps=ws.NUM_WARPS)
     else:
         kernel = sparse_attention_gluon_fp8_kernel
         meta.update(E_BUFS=cfg["E_BUFS"])

@@ -68,6 +68,9 @@ DECODER_REGS = 112
 HELPER_REGS = 176
 Q_REG_COLS = 0  # q's columns in the scorer's registers (``sparse_attention_ws._scores``)
 STAGED_OUT = 1  # one split: the output stored through q's shared memory (``sparse_attention._epilogue``); 0: not
+# timing switches of the decoder (``_decoder``; results wrong), e.g. ``benchmarks/ws_ab.py --fp8 DIAG_NO_DECODE=1``
+DIAG_NO_DECODE = 0
+DIAG_NO_COPY = 0
 # FP8 mode 2: rows decoded as one [16, 8, 64] tensor and stored at once (0: a 64-channel block at a
 # time, a membar CTA barrier before each store); 16 is the fewest rows 4 warps hold without duplicates
 ONE_STORE_ROWS = 16
@@ -124,11 +127,17 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
              NUM_STAGES: gl.constexpr, E_STAGES: gl.constexpr, DECODE: gl.constexpr, ONE_STORE: gl.constexpr,
-             L3_ROW: gl.constexpr, NUM_SPLITS: gl.constexpr, CODES_SWIZZLE: gl.constexpr):
+             L3_ROW: gl.constexpr, NUM_SPLITS: gl.constexpr, CODES_SWIZZLE: gl.constexpr,
+             DIAG_NO_DECODE: gl.constexpr, DIAG_NO_COPY: gl.constexpr):
     """Every block: its raw bytes landed -> a free E slot -> decoded -> published; its byte slot
     refilled with the block ``NUM_STAGES`` ahead (blocks past the split: every lane masked, no
-    memory read)."""
+    memory read). ``DIAG_*`` (timing only, wrong results): no decode (the E slot published as it is),
+    no copies (every lane masked: zero-filled, no HBM read)."""
     lo, hi, n_blocks = _split_range(cmp_len_row, N_CMP, W, K, pid_sp, NUM_SPLITS, BLOCK_N)
+    if DIAG_NO_COPY:
+        hi_copy = lo
+    else:
+        hi_copy = hi
     row_l: gl.constexpr = _row_lane_layout(BLOCK_N, gl.num_warps(), SCALE_BYTES)
     # the 3D decode's layout: L3_ROW, a row's 8 blocks of 8 channels in one thread (the rope's where
     # folds away), or L3_LANES (v0's: a warp reads 4 blocks x 64 codes of a row)
@@ -138,8 +147,8 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
     v = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, row_l))
     loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
     for st in gl.static_range(NUM_STAGES):
-        _issue_rows(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, loaded, hi, W, K, N_KV, N_CMP,
-                    kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
+        _issue_rows(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, loaded, hi_copy, W, K, N_KV,
+                    N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
         loaded = _load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
@@ -150,7 +159,9 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
         gl.thread_barrier()  # ... every decoder thread's
         # E slot's previous block (j - E_STAGES) consumed; the first round is free
         mbarrier.wait(empty.index(eslot), ((j // E_STAGES) + 1) & 1, pred=j >= E_STAGES)
-        if ONE_STORE:  # ONE_STORE rows at a time, each decoded whole and stored once
+        if DIAG_NO_DECODE:
+            pass
+        elif ONE_STORE:  # ONE_STORE rows at a time, each decoded whole and stored once
             if CODES_SWIZZLE:  # the swizzled byte slot seen as [BLOCK_N, 8, 64] (a reshape cannot say it)
                 codes3 = codes_ring.index(slot)._reinterpret(gl.uint8, [BLOCK_N, 8, 64], _codes_3d_layout(BLOCK_N))
                 rope16 = rope_ring.index(slot)._reinterpret(gl.bfloat16, [BLOCK_N, 64], rope_ring.layout)
@@ -168,7 +179,7 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
         gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
         mbarrier.arrive(full.index(eslot))
         # this block's indices were loaded an iteration ago, so picking them waits for nothing
-        _issue_rows(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, loaded, hi, W, K, N_KV,
+        _issue_rows(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, loaded, hi_copy, W, K, N_KV,
                     N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
@@ -194,7 +205,8 @@ def sparse_attention_gluon_fp8_ws_kernel(
     KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr, DATA_BYTES: gl.constexpr,
     SCALE_BYTES: gl.constexpr, DECODER_WARPS: gl.constexpr, DECODER_REGS: gl.constexpr, ONE_STORE: gl.constexpr,
     L3_ROW: gl.constexpr = False, CODES_SWIZZLE: gl.constexpr = False, HELPER_REGS: gl.constexpr = 176,
-    Q_REG_COLS: gl.constexpr = 0, STAGED_OUT: gl.constexpr = 1,
+    Q_REG_COLS: gl.constexpr = 0, STAGED_OUT: gl.constexpr = 1, DIAG_NO_DECODE: gl.constexpr = 0,
+    DIAG_NO_COPY: gl.constexpr = 0,
 ):
     gl.static_assert(gl.num_warps() == 4, "the scorer is the default partition")
     gl.static_assert(NUM_STAGES >= 1)
@@ -256,5 +268,5 @@ def sparse_attention_gluon_fp8_ws_kernel(
         (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
                     DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE, ONE_STORE, L3_ROW, NUM_SPLITS,
-                    CODES_SWIZZLE)),
+                    CODES_SWIZZLE, DIAG_NO_DECODE, DIAG_NO_COPY)),
     ], [4, DECODER_WARPS], [HELPER_REGS, DECODER_REGS])
