@@ -512,3 +512,33 @@ def test_gpu_check_documents_and_names_every_mode():
     assert labels and labels <= documented, sorted(labels - documented)
     listed = re.search(r"unknown mode \$what \(([^)]*)\)", body).group(1).split("|")
     assert sorted(listed) == sorted(labels), (sorted(set(labels) - set(listed)), sorted(set(listed) - labels))
+
+
+def test_attn_check_runs_every_poisoned_shared_memory_test_alone():
+    """``gpu_check.sh attn-check`` first runs the sm_90 attention tests that poison shared memory in one process
+    (under xdist another process's kernels clear the poison between the fill and the launch), then the others under
+    xdist. Its ``-k`` must select every test that poisons, and the xdist run none: until session 26 the serial run's
+    ``-k "poisoned or stale"`` selected only the premise test, so the poisoned runs of the kernels went under xdist."""
+    import ast
+    import subprocess
+
+    files = ["tests/ops/test_sparse_attention_sm90.py", "tests/ops/test_sparse_attention_sm90_fp8.py"]
+    poisoning = set()
+    for f in files:
+        for node in ast.parse((ROOT / f).read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and "smem_poison" in ast.unparse(node):
+                poisoning.add(node.name)
+    assert len(poisoning) >= 3, poisoning
+    text = (ROOT / "benchmarks/gpu_check.sh").read_text()
+    mode = text[text.index("    attn-check)"):]
+    mode = "\n".join(line for line in mode[:mode.index(";;")].splitlines() if not line.lstrip().startswith("#"))
+    serial, xdist = re.findall(r'-k ("[^"]+"|\S+)', mode)[:2]
+
+    def selected(expr: str) -> set:
+        res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "-m", "gpu or not gpu", "-k", expr.strip('"'), *files],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return {line.split("::")[1].split("[")[0] for line in res.stdout.splitlines() if "::" in line}
+
+    assert selected(serial) == poisoning
+    assert not selected(xdist) & poisoning

@@ -271,9 +271,10 @@ def test_gather_is_cp_async_with_zero_fill(compiled, config):
 
 @pytest.mark.parametrize("config", WS_CONFIGS)
 def test_ws_gathers_in_a_producer_partition(compiled, config):
-    """ws: the copies are published on mbarriers by the producer partition. With ``PUBLISH`` 1 (the
-    default) the writers publish a block themselves: ``cp.async.wait_group`` for it (one in the
-    loop, one in the drain), a proxy fence, one arrival; no per-thread ``.noinc`` arrivals. The
+    """ws: the copies are published on mbarriers by the producer partition. With ``PUBLISH`` 0 (the
+    default since session 26) each thread's ``cp.async.mbarrier.arrive.noinc`` lands with its copies and no
+    thread waits for them; with 1 the writers publish a block themselves: ``cp.async.wait_group`` for
+    it (one in the loop, one in the drain), a proxy fence, one arrival, no ``.noinc``. The
     registers are split between the three 4-warp partitions: the producer's ``setmaxnreg`` to
     ``PRODUCER_REGS``, the helper's to ``HELPER_REGS``, the scorer's (the default partition) to at most
     the rest (no spills: ``test_compiles_without_spills``)."""

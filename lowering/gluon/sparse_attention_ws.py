@@ -56,8 +56,10 @@ __all__ = ["sparse_attention_gluon_ws_kernel", "PRODUCER_WARPS", "PRODUCER_REGS"
 
 NUM_WARPS = 4  # the kernel's, i.e. the scorer's (the default partition); the launcher reads it
 PRODUCER_WARPS = 4
-# how the producer publishes a landed block (``_producer``): 1 = the writers wait, fence, then arrive
-PUBLISH = 1
+# how the producer publishes a landed block (``_producer``): 0 = each thread's arrival lands with its copies
+# (``.noinc``); 1 = the writers wait, fence, then arrive. 0 since session 26 (H200, ``benchmarks/ws_ab.py``, outputs
+# identical): 0.8-1.5 us faster in all five cases, e.g. CSA 32K B=64 30.08 -> 29.23, B=128 36.21 -> 35.06
+PUBLISH = 0
 PRODUCER_REGS = 80
 HELPER_REGS = gl.constexpr(176)  # acc[64, 256] fp32 is 128 a thread; 152 spilled
 # q's columns held in the scorer's registers as the scores' A operand (0, 128 or 256; ``_scores``). Session 25 (H200):
