@@ -18,7 +18,13 @@ schedule changed). One line a case: ``... new <best> us [...] <stem> <best> us [
     PYTHONPATH=$PWD python3 benchmarks/ws_ab.py --fp8 Q_REG_COLS=128,HELPER_REGS=168 [...]
 
 The FP8 reader (``sparse_attention_fp8_ws.py``) the same way, on FP8 caches (``cache="fp8"``), its versions being
-settings of that module's constants (the launcher passes them to the kernel, so each is its own compilation).
+settings of that module's constants (the launcher passes them to the kernel, so each is its own compilation), or of
+its shared-memory rings, ``NUM_STAGES`` (byte blocks) and ``E_BUFS`` (decoded blocks), the launcher's default config.
+
+    PYTHONPATH=$PWD python3 benchmarks/ws_ab.py --combine 32,128,4 [...]
+
+The bf16 op with ``combine_kernel``'s launch (``sparse_attention.COMBINE_TILE`` heads x columns, ``COMBINE_WARPS``)
+set to each ``HEADS,COLUMNS,WARPS``; it runs at two splits or more (the B=64 cases).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import lowering.gluon.sparse_attention_ws as new  # noqa: E402
 from benchmarks.kernel_bench import cases as C  # noqa: E402
 from benchmarks.timing import kernel_time, l2_bytes, rotation_copies  # noqa: E402
 from lowering.gluon import sparse_attention as ga  # noqa: E402
+from lowering.gluon import sparse_attention_fp8 as fp8_reader  # noqa: E402
 from lowering.gluon import sparse_attention_fp8_ws as fp8_ws  # noqa: E402
 from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8  # noqa: E402
 
@@ -56,21 +63,44 @@ def use_module(module) -> None:
     gluon_pkg.sparse_attention_ws = module
 
 
+# --fp8 names that are the launcher's default config for variant ws (``sparse_attention_fp8.VARIANTS["ws"]``: byte
+# blocks and decoded blocks in shared memory), not constants of the kernel's module
+FP8_RINGS = {"NUM_STAGES": 1, "E_BUFS": 2}
+
+
 def fp8_setting(spec: str) -> dict:
-    """``NAME=int,...`` -> constants of ``sparse_attention_fp8_ws``; ValueError naming a bad one."""
+    """``NAME=int,...`` -> constants of ``sparse_attention_fp8_ws`` (or ``FP8_RINGS``); ValueError naming a bad one."""
     setting = {}
     for item in spec.split(","):
         name, _, value = item.partition("=")
-        if not hasattr(fp8_ws, name) or not value.lstrip("-").isdigit():
+        if not (hasattr(fp8_ws, name) or name in FP8_RINGS) or not value.lstrip("-").isdigit():
             raise ValueError(f"ws_ab --fp8: {item!r} is not NAME=int for a constant of sparse_attention_fp8_ws")
         setting[name] = int(value)
     return setting
 
 
+def fp8_value(name: str) -> int:
+    """Today's value of an ``fp8_setting`` name."""
+    return fp8_reader.VARIANTS["ws"][FP8_RINGS[name]] if name in FP8_RINGS else getattr(fp8_ws, name)
+
+
+def combine_setting(spec: str) -> tuple:
+    """``HEADS,COLUMNS,WARPS`` -> ``(COMBINE_TILE, COMBINE_WARPS)``; ValueError unless each is a power of two that
+    divides H = 64 / D = 512 (warps: 1-16)."""
+    parts = spec.split(",")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise ValueError(f"ws_ab --combine: {spec!r} is not HEADS,COLUMNS,WARPS (powers of two)")
+    heads, columns, warps = map(int, parts)
+    if heads > ga.BLOCK_H or columns > ga.HEAD_DIM or warps > 16:
+        raise ValueError(f"ws_ab --combine: {spec!r}: heads <= {ga.BLOCK_H}, columns <= {ga.HEAD_DIM}, warps <= 16")
+    return (heads, columns), warps
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     fp8 = bool(args) and args[0] == "--fp8"
-    args = args[1:] if fp8 else args
+    combine = bool(args) and args[0] == "--combine"
+    args = args[1:] if fp8 or combine else args
     if not args:
         print(__doc__)
         return 2
@@ -78,13 +108,26 @@ def main(argv=None) -> int:
         print("ws_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
     if fp8:
-        today = {name: getattr(fp8_ws, name) for spec in args for name in fp8_setting(spec)}
+        today = {name: fp8_value(name) for spec in args for name in fp8_setting(spec)}
         versions = (("new", today),) + tuple((spec, fp8_setting(spec)) for spec in args)
         op = sparse_attention_gluon_fp8
 
         def use(setting):
             for name, value in setting.items():
-                setattr(fp8_ws, name, value)
+                if name in FP8_RINGS:
+                    rings = list(fp8_reader.VARIANTS["ws"])
+                    rings[FP8_RINGS[name]] = value
+                    fp8_reader.VARIANTS["ws"] = tuple(rings)
+                else:
+                    setattr(fp8_ws, name, value)
+    elif combine:
+        versions = (("new", (ga.COMBINE_TILE, ga.COMBINE_WARPS)),) + tuple((spec, combine_setting(spec)) for spec in args)
+
+        def use(setting):
+            ga.COMBINE_TILE, ga.COMBINE_WARPS = setting
+
+        def op(*a):
+            return ga.sparse_attention_gluon(*a, variant="ws")
     else:
         stems = [Path(path).stem for path in args]
         if len(set(stems)) != len(stems) or "new" in stems:
@@ -96,7 +139,7 @@ def main(argv=None) -> int:
         def op(*a):
             return ga.sparse_attention_gluon(*a, variant="ws")
     dev = torch.device("cuda")
-    for kind, B, ctx in CASES:
+    for kind, B, ctx in [c for c in CASES if c[1] == 64] if combine else CASES:  # (B=128: one split, no combine)
         case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash", cache="fp8" if fp8 else "bf16")
         first = case.make(dev)
         size = sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))

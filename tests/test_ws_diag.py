@@ -3,6 +3,7 @@ replacement; these tests fail when the kernel is edited so that a variant would 
 import ast
 
 import pytest
+import torch
 
 from benchmarks import ws_diag
 
@@ -89,3 +90,30 @@ def test_ws_ab_fp8_versions_are_settings_of_the_fp8_readers_constants():
         ws_ab.fp8_setting("STAGED_OUT=0,NOT_A_CONSTANT=1")
     with pytest.raises(ValueError, match="'HELPER_REGS=many'"):
         ws_ab.fp8_setting("HELPER_REGS=many")
+    # the rings are the launcher's config, not module constants
+    from lowering.gluon import sparse_attention_fp8 as reader
+    assert ws_ab.fp8_setting("NUM_STAGES=4,E_BUFS=2") == {"NUM_STAGES": 4, "E_BUFS": 2}
+    assert (ws_ab.fp8_value("NUM_STAGES"), ws_ab.fp8_value("E_BUFS")) == reader.VARIANTS["ws"][1:]
+
+
+def test_ws_ab_combine_versions_are_launches_of_the_combine_kernel():
+    """``ws_ab.py --combine HEADS,COLUMNS,WARPS``: each version is ``combine_kernel``'s tile and warps, which both Gluon
+    launchers take from ``sparse_attention.COMBINE_TILE`` / ``COMBINE_WARPS``; a tile that does not divide the
+    output or is not a power of two is refused."""
+    from benchmarks import ws_ab
+    from lowering.gluon import sparse_attention as ga
+
+    assert ws_ab.combine_setting("32,256,8") == ((32, 256), 8)
+    for bad in ("32,256", "24,128,4", "128,128,4", "16,1024,4", "16,128,32", "a,b,c"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            ws_ab.combine_setting(bad)
+    part_acc = torch.empty(3, 2, ga.BLOCK_H, ga.HEAD_DIM)
+    part_m = part_l = torch.empty(3, 2, ga.BLOCK_H)
+    out = torch.empty(3, 1, ga.BLOCK_H, ga.HEAD_DIM, dtype=torch.bfloat16)
+    saved = ga.COMBINE_TILE, ga.COMBINE_WARPS
+    try:
+        ga.COMBINE_TILE, ga.COMBINE_WARPS = (32, 256), 8
+        _, grid, _, meta = ga.combine_launch(part_m, part_l, part_acc, torch.empty(ga.BLOCK_H), out)
+    finally:
+        ga.COMBINE_TILE, ga.COMBINE_WARPS = saved
+    assert grid == (3, 2, 2) and (meta["BLOCK_H"], meta["BLOCK_D"], meta["num_warps"], meta["NUM_SPLITS"]) == (32, 256, 8, 2)

@@ -382,6 +382,11 @@ DEFAULT_VARIANT = "ws"
 DEFAULT_BLOCKS = (64, 2)
 # ws: 32-row blocks x 4 stages, three blocks in flight under the one computed (H200, session 19)
 DEFAULT_BLOCKS_WS = (32, 4)
+# combine_kernel at 2+ splits: (heads, columns) a program and its warps; 1024 programs at B=64 (``combine_launch``).
+# H200, session 26 (``benchmarks/ws_ab.py --combine``): eight other tiles / warps from 8 x 128 x 2 to 64 x 128 x 4 and
+# 16 x 512 x 8 all within -0.4 / +0.8 us of it at both B=64 cases, outputs identical: the launch, not the tile, costs
+COMBINE_TILE = (16, 128)
+COMBINE_WARPS = 4
 
 
 def gluon_config(B: int, max_entries: int, sms: int = 132, num_splits: int | None = None,
@@ -506,11 +511,18 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
                 **diag_meta, **cfg["extra"], num_warps=cfg["num_warps"])
     launches = [(cfg["kernel"], (B, splits), args, meta)]
     if splits > 1:
-        block_h_c, block_d_c = 16, 128
-        launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
-                         (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
-                         dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4)))
+        launches.append(combine_launch(part_m, part_l, part_acc, sink, out))
     return out, launches
+
+
+def combine_launch(part_m, part_l, part_acc, sink, out):
+    """``(combine_kernel, grid, args, meta)``: the split partials ``[B, splits, H(, D)]`` of a decode call merged
+    into ``out`` ``[B, 1, H, D]``, one program a ``COMBINE_TILE`` (heads x columns) of a token, ``COMBINE_WARPS``
+    warps (both Gluon readers' launchers)."""
+    B, splits, H, D = part_acc.shape
+    block_h, block_d = COMBINE_TILE
+    return (combine_kernel, (B, H // block_h, D // block_d), (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
+            dict(D=D, BLOCK_D=block_d, BLOCK_H=block_h, NUM_SPLITS=splits, num_warps=COMBINE_WARPS))
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,

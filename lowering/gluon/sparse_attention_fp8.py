@@ -76,8 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from ..triton._launch import sm_count
-from .sparse_attention import _entry_index, _epilogue, _online_softmax, _split_range
-from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
+from .sparse_attention import _entry_index, _epilogue, _online_softmax, _split_range, combine_launch
+from ..triton.sparse_attention import _LOG2E, attention_config
 
 __all__ = ["sparse_attention_gluon_fp8", "sparse_attention_gluon_fp8_kernel", "gluon_fp8_launch", "serves",
            "gluon_fp8_config", "fp8_smem_bytes", "NUM_WARPS", "SMEM_LIMIT", "VARIANTS", "DEFAULT_VARIANT"]
@@ -626,10 +626,7 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
     meta.update(ONE_STORE=int(one_store))
     launches = [(kernel, (B, splits), args, meta)]
     if splits > 1:
-        block_h_c, block_d_c = 16, 128
-        launches.append((combine_kernel, (B, H // block_h_c, D // block_d_c),
-                         (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
-                         dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4)))
+        launches.append(combine_launch(part_m, part_l, part_acc, sink, out))
     return out, launches
 
 
