@@ -384,7 +384,7 @@ DEFAULT_BLOCKS = (64, 2)
 DEFAULT_BLOCKS_WS = (32, 4)
 # combine_kernel at 2+ splits: (heads, columns) a program and its warps; 1024 programs at B=64 (``combine_launch``).
 # H200, session 26 (``benchmarks/ws_ab.py --combine``): eight other tiles / warps from 8 x 128 x 2 to 64 x 128 x 4 and
-# 16 x 512 x 8 all within -0.4 / +0.8 us of it at both B=64 cases, outputs identical: the launch, not the tile, costs
+# 16 x 512 x 8 all within -0.2 / +0.8 us of it at both B=64 cases, outputs identical: its cost is not in its tile
 COMBINE_TILE = (16, 128)
 COMBINE_WARPS = 4
 

@@ -38,7 +38,8 @@ against session 23's 8-warp consumer (``benchmarks/ws_ab.py``). Session 25 found
 accumulator's layout to cost ~8 of the ~11.6 us a call spent outside the loop at 128 programs (``ws_diag.py``'s
 no-block variants); staged through shared memory it costs ~2.6: through the public op, B=128 at 32K and 128K is now
 60.1-65.0% of the floor (50.4-61.1% before), B=64 32.1-47.5% (two splits: fp32 partials and the combine kernel, ~13 us
-of fixed cost, unchanged). Correct against the float64 oracle and with every SM's shared memory poisoned before each
+of fixed cost, unchanged). Session 26: per-thread arrivals (``PUBLISH`` 0) 0.8-1.5 us faster; the public op at B=128
+63.0-66.8%, B=64 33.0-48.0%. Correct against the float64 oracle and with every SM's shared memory poisoned before each
 launch.
 """
 from __future__ import annotations
