@@ -268,9 +268,8 @@ for what in "$@"; do
             | tee "$OUT/bench_gemv.log" | grep -v "^\[sweep\] [0-9]" || rc=1 ;;
     attn-check) # after a change to the Gluon attention (session 25's calls 3-4 in one): the poisoned-shared-memory tests
           # alone (-k shared_memory: other processes' kernels would clear the poison), the other sm_90 attention tests
-          # under xdist, the FP8
-          # reader's exactness and times, the gpu-marked FP8-cache model / route / trace tests, then the public op's
-          # grid for both cache dtypes (7 files)
+          # under xdist, the FP8 reader's exactness and times, the gpu-marked FP8-cache model / route / trace tests,
+          # then the public op's grid for both cache dtypes (7 files)
           { python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" -k shared_memory \
               tests/ops/test_sparse_attention_sm90.py tests/ops/test_sparse_attention_sm90_fp8.py 2>&1 | tail -3
             python3 -m pytest -q -p no:cacheprovider ${xdist:+-n 8} -m "gpu or not gpu" -k "not shared_memory" \

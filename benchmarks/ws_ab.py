@@ -74,9 +74,15 @@ def fp8_setting(spec: str) -> dict:
     for item in spec.split(","):
         name, _, value = item.partition("=")
         if not (hasattr(fp8_ws, name) or name in FP8_RINGS) or not value.lstrip("-").isdigit():
-            raise ValueError(f"ws_ab --fp8: {item!r} is not NAME=int for a constant of sparse_attention_fp8_ws")
+            raise ValueError(f"ws_ab --fp8: {item!r} is not NAME=int for a constant of sparse_attention_fp8_ws "
+                             f"or one of {sorted(FP8_RINGS)}")
         setting[name] = int(value)
     return setting
+
+
+def ws_op(*args):
+    """The bf16 reader, variant ws, through its launcher (the module ``gluon_config`` finds, the combine it builds)."""
+    return ga.sparse_attention_gluon(*args, variant="ws")
 
 
 def fp8_value(name: str) -> int:
@@ -126,8 +132,7 @@ def main(argv=None) -> int:
         def use(setting):
             ga.COMBINE_TILE, ga.COMBINE_WARPS = setting
 
-        def op(*a):
-            return ga.sparse_attention_gluon(*a, variant="ws")
+        op = ws_op
     else:
         stems = [Path(path).stem for path in args]
         if len(set(stems)) != len(stems) or "new" in stems:
@@ -135,9 +140,7 @@ def main(argv=None) -> int:
             return 2
         versions = (("new", new),) + tuple((Path(path).stem, load_old(path)) for path in args)
         use = use_module
-
-        def op(*a):
-            return ga.sparse_attention_gluon(*a, variant="ws")
+        op = ws_op
     dev = torch.device("cuda")
     for kind, B, ctx in [c for c in CASES if c[1] == 64] if combine else CASES:  # (B=128: one split, no combine)
         case = C.sparse_attention_case(C.FLASH, kind, B, ctx, "flash", cache="fp8" if fp8 else "bf16")
