@@ -64,6 +64,9 @@
 #             Generator's decode at batch 1, 64 x 4K without it (graphs) and with it (graphs-pdl)
 #   topk-cuda = the CUDA top-k (csrc/kernels/topk_rows.cu, built by nvcc on first use): its GPU tests, then its time
 #             against the Triton top-k's stages at 1, 64, 128 rows x 8192, 32768 scores (benchmarks/topk_diag.py)
+#   topk-ab = the CUDA top-k against another version of its source, $TOPK_BASE (e.g. `git show
+#             HEAD~1:csrc/kernels/topk_rows.cu > ab/base.cu`, an untracked file travels), on the bench cases' scores
+#             and Gaussian rows, in turns (benchmarks/topk_ab.py; picks checked equal first)
 #   indexer-diag = the public indexer_topk at B = 64, 128 x 32K, 128K, bf16 and FP8 keys, split into its scores pass
 #             and its CUDA top-k (alone, on the op's own scores and on Gaussian rows), the top-k's stages and how many
 #             select passes its rows took, FP8 keys also with the decoded dot (the e4m3 dot's error, the picks both
@@ -210,6 +213,8 @@ for what in "$@"; do
         | tee "$OUT/pdl.log" || rc=1 ;;
     topk-cuda) { python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_rows_cuda.py 2>&1 | tail -5 \
            && python3 benchmarks/topk_diag.py --rows 1 64 128 --n 8192 32768; } 2>&1 | tee "$OUT/topk_cuda.log" || rc=1 ;;
+    topk-ab) python3 benchmarks/topk_ab.py --base "${TOPK_BASE:?set TOPK_BASE to the other topk_rows.cu}" 2>&1 \
+           | tee "$OUT/topk_ab.log" || rc=1 ;;
     indexer-diag) python3 benchmarks/indexer_diag.py --batches 64 128 --contexts 32768 131072 2>&1 \
            | tee "$OUT/indexer_diag.log" | grep -e "what=op" -e "what=scores" -e "what=topk " || rc=1 ;;
     indexer-sweep) python3 benchmarks/indexer_diag.py --batches 64 128 --contexts 32768 131072 --sweep 2>&1 \
@@ -285,7 +290,7 @@ for what in "$@"; do
     ops-fp8) python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk --shapes flash --batches 1 64 128 \
                --contexts 32K 128K --kv-cache-dtype bf16 fp8 --out "$OUT/bench_ops_fp8" 2>&1 | quiet \
                | tee "$OUT/bench_ops_fp8.log" | tail -40 || rc=1 ;;
-    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|attn-check|topk-cuda|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu|ncu-gluon|hf|files-tests|smem-poison|sweep-sinkhorn|sweep-topk-b1|ncu-gluon-bf16)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|gpu-tests|fp8-tests|fp8-kernels|flash-b1|flash-fp8|kv-capacity|kv-capacity-64|moe|flash-spec|flash-hf|flash-32k|load|demo|bench|flash|bench-b1|aoti|spec|profile|profile-flash|tp|ops|ops-full|ops-fp8|gemv|sweep|sweep-fp8|sweep-topk-rows|sweep-indexer-fused|gluon-check|gluon-ws|gluon-diagnose|gluon-fp8-check|attn-check|topk-cuda|topk-ab|gather-bw|pdl|indexer-diag|indexer-sweep|sweep-indexer|sweep-attention|sweep-attention-small|ncu|ncu-gluon|hf|files-tests|smem-poison|sweep-sinkhorn|sweep-topk-b1|ncu-gluon-bf16)"; rc=2 ;;
   esac
 done
 exit $rc

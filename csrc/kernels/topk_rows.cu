@@ -13,15 +13,24 @@
 // k-th best key cannot be under (most of a random row is below it).
 //
 // Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
-// [t * ITEMS, (t + 1) * ITEMS)), and a floor under the k-th best; rows of more than 8192 scores
+// [t * ITEMS, (t + 1) * ITEMS); loaded without waiting for the row's visible length, whose later
+// stages skip the entries past it), and a floor under the k-th best; rows of more than 8192 scores
 // (topk_rows_list_kernel) arrive by bulk copies through shared memory and then put the candidates
 // (entries at or above the floor) in a shared list;
 // (2) select: the threshold key, narrowed 8 bits at a time from the candidates' own key range (radix
 // digits of the offset from the least candidate), stopping early when the threshold's bin is taken
-// whole; (3) compaction (one block prefix sum of two counts: the entries above the threshold, then the
-// first k_rem equal to it by index); (4) a bitonic sort of the picks packed as key << 32 | ~index
-// (descending: score, then lower index first), in registers, shuffles and shared memory; (5) the
-// indices out, -1 past the picks.
+// whole; (3) compaction: when the threshold's bin was taken whole, every candidate at or above it is a
+// pick, slots claimed a warp at a time in no order; else (the bin is one key) one block prefix sum of
+// two counts: the entries above the threshold, then the first k_rem equal to it by index; (4) the
+// picks packed as key << 32 | ~index (descending: score, then lower index first) ordered by buckets of
+// their keys (up to 1024 picks, no bucket of more than 64), else by a bitonic sort in registers,
+// shuffles and shared memory; (5) the indices out, -1 past the picks.
+//
+// A CTA a row, each stage one pass: the kernel is a chain of latencies, in which barriers and
+// branches show. Session 28 (H200, benchmarks/topk_ab.py, 64 rows x 8192 scores; Nsight Compute found
+// a select pass ~1.5 us, branches around its atomics): 10.1 -> 8.5 us, of which branch-free histogram
+// atomics 0.5, the compaction's slots in no order 0.2, the bucket sort 0.7, the row's loads not
+// waiting for its length 0.1.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -36,6 +45,13 @@ constexpr int kMaxTopk = 2048;        // picks sorted in shared memory
 constexpr int kCandidates = 8192;     // the shared candidate list (random rows of 32768: ~3000)
 constexpr int kDiagNoList = 16;       // diagnostics (stop_after): every row reads its candidates from the row
 constexpr int kDiagNoBulk = 32;       // diagnostics: the list kernel loads its row by plain loads
+constexpr int kDiagBitonic = 64;      // diagnostics: every row's picks ordered by the bitonic sort
+constexpr int kBucketMax = 64;        // the bucket sort's largest bucket; past it, the bitonic sort
+
+// A pick as one number: larger is better (a higher key, then a lower index), and no two are equal.
+__device__ __forceinline__ unsigned long long pack_pick(uint32_t key, int index) {
+  return (static_cast<unsigned long long>(key) << 32) | uint32_t(~uint32_t(index));
+}
 
 __device__ __forceinline__ uint32_t ordered_key(float x) {
   uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
@@ -68,6 +84,21 @@ __device__ __forceinline__ T block_exclusive_scan(T v, T* warp_sums, T* total) {
   *total = warp_sums[kWarps - 1];
   __syncthreads();  // warp_sums may be reused by the next scan
   return before;
+}
+
+// Slots for this thread's n picks, in no particular order (the sort orders them): a scan within the warp
+// and one shared atomic a warp, instead of block_exclusive_scan's three barriers. *counter starts at 0.
+__device__ __forceinline__ int claim_slots(int n, int* counter) {
+  const int lane = threadIdx.x & 31;
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  int base = 0;
+  if (lane == 31) base = atomicAdd(counter, incl);
+  return __shfl_sync(0xffffffffu, base, 31) + incl - n;
 }
 
 // The sort: kpad picks over the block's threads, E a thread (pick i = e * kThreads + tid; slots past
@@ -152,10 +183,12 @@ struct RowTask {
   }
 };
 
-// (1) the row: ITEMS consecutive entries a thread from `first`; dead entries (>= vis) are never read
+// (1) the row: ITEMS consecutive entries a thread from `first`, every one < n. The register kernel
+// passes the row's length, not its live length (vis), so that the loads need not wait for vis (one
+// memory latency before them); every later stage tests first + i < vis before it reads a key.
 template <int ITEMS>
-__device__ __forceinline__ void load_row(const float* row, int first, int vis, uint32_t (&key)[ITEMS]) {
-  if ((ITEMS % 4) == 0 && first + ITEMS <= vis && (reinterpret_cast<uintptr_t>(row + first) & 15) == 0) {
+__device__ __forceinline__ void load_row(const float* row, int first, int n, uint32_t (&key)[ITEMS]) {
+  if ((ITEMS % 4) == 0 && first + ITEMS <= n && (reinterpret_cast<uintptr_t>(row + first) & 15) == 0) {
 #pragma unroll
     for (int i = 0; i < ITEMS; i += 4) {
       float4 v = __ldg(reinterpret_cast<const float4*>(row + first + i));
@@ -166,7 +199,7 @@ __device__ __forceinline__ void load_row(const float* row, int first, int vis, u
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) key[i] = first + i < vis ? ordered_key(__ldg(row + first + i)) : 0u;
+    for (int i = 0; i < ITEMS; ++i) key[i] = first + i < n ? ordered_key(__ldg(row + first + i)) : 0u;
   }
 }
 
@@ -177,7 +210,7 @@ __device__ __forceinline__ void load_row(const float* row, int first, int vis, u
 // scores crowd into a few bins). Else there is no floor (0), and lo_key is the row's least.
 template <int ITEMS>
 __device__ __forceinline__ void find_floor(const uint32_t (&key)[ITEMS], int first, int vis, int k_eff,
-                                           uint32_t* warp_min, uint32_t* warp_max, int* warp_sums,
+                                           uint32_t* warp_min, uint32_t* warp_max, int* warp_live,
                                            uint32_t& floor_key, uint32_t& lo_key, uint32_t& hi_key) {
   const int tid = threadIdx.x;
   floor_key = 0;
@@ -204,7 +237,7 @@ __device__ __forceinline__ void find_floor(const uint32_t (&key)[ITEMS], int fir
   if ((tid & 31) == 0) {
     warp_min[tid >> 5] = m;
     warp_max[tid >> 5] = hi;
-    warp_sums[tid >> 5] = n_live;
+    warp_live[tid >> 5] = n_live;
   }
   __syncthreads();
   int live_threads = 0;
@@ -212,12 +245,13 @@ __device__ __forceinline__ void find_floor(const uint32_t (&key)[ITEMS], int fir
   for (int w = 0; w < kWarps; ++w) {
     lo_key = min(lo_key, warp_min[w]);
     hi_key = max(hi_key, warp_max[w]);
-    live_threads += warp_sums[w];
+    live_threads += warp_live[w];
   }
-  __syncthreads();  // warp_min and warp_sums are reused below
   if (k_eff <= live_threads) {
     floor_key = lo_key;
   } else {
+    __syncthreads();  // every thread has read warp_min, reused here (find_floor's own arrays: no one
+                      // else writes them, so the common case needs no second barrier)
     uint32_t lo = 0xFFFFFFFFu;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i)
@@ -235,6 +269,7 @@ __device__ __forceinline__ void find_floor(const uint32_t (&key)[ITEMS], int fir
 // Select state, in shared memory so that every thread reads what one published.
 struct Published {
   int digit, above, count;
+  int claimed;  // picks given slots so far (claim_slots; 0 from before find_floor's barriers)
 };
 
 // (2) select, one pass's end: the warps' histograms of the interval [lo, lo + span] in bins of
@@ -283,9 +318,106 @@ __device__ __forceinline__ void take_threshold_bin(int shift, uint32_t& lo, uint
 // atomics onto a few addresses).
 __device__ __forceinline__ int pass_shift(uint32_t span) { return max(32 - __clz(span) - 8, 0); }  // span >> shift <= 255
 
+// (before find_floor, whose barrier publishes them)
 __device__ __forceinline__ void clear_histograms(int* hist) {
   for (int i = threadIdx.x; i < kWarps * kBins; i += kThreads) hist[i] = 0;
-  __syncthreads();
+}
+
+// (4) + (5) by buckets, for up to 2 * kThreads picks (kpad <= 1024: the picks and their buckets' copy
+// fit the scratch). The picks' keys lie in [lo, hi_key]: 256 buckets of 2^shift keys, counted from the
+// top; one histogram of the picks, one scan of the buckets, each pick copied into its bucket's segment
+// (in no order), then each pick's place is its segment's start + the picks of its segment better than
+// it. Four barriers, where the bitonic sort of 512 picks takes 45 dependent steps and 20 barriers
+// (64 rows x 8192 scores, H200, session 28: the kernel 8.4 us, 9.1 with the bitonic sort). Returns false,
+// having written nothing, when a bucket holds more than kBucketMax picks (many equal or crowded
+// scores): the caller then sorts by the bitonic sort. count[] (kBins) is zero on entry: the caller
+// clears it before a barrier; start[] (kBins) and most[] (kBins / 32) are scratch; seg holds 2 *
+// kThreads picks apart from picks'. Not inlined: inlined, it made the 8- and 64-a-thread kernels spill.
+template <int E>
+__device__ __noinline__ bool bucket_sort_and_store(const unsigned long long* picks, unsigned long long* seg,
+                                                      int* count, int* start, int* most, int k_eff, int topk,
+                                                      uint32_t lo, uint32_t hi_key, int* out_row, int64_t so_k,
+                                                      int* warp_sums) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int shift = pass_shift(hi_key - lo);
+  unsigned long long v[E];
+  int bucket[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const int i = e * kThreads + tid;
+    v[e] = i < k_eff ? picks[i] : 0ull;
+    bucket[e] = kBins - 1 - int((uint32_t(v[e] >> 32) - lo) >> shift);  // bucket 0: the best keys
+    if (i < k_eff) atomicAdd(&count[bucket[e]], 1);
+  }
+  __syncthreads();  // (a) the histogram
+  // the buckets' starts: an exclusive scan over threads 0-255, a bucket each; the largest bucket
+  int c = 0, incl = 0;
+  if (tid < kBins) {
+    int m = c = incl = count[tid];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    if (lane == 0) most[warp] = m;
+  }
+  __syncthreads();  // (b) the bucket warps' totals and maxima
+  int largest = 0;
+#pragma unroll
+  for (int w = 0; w < kBins / 32; ++w) largest = max(largest, most[w]);
+  if (largest > kBucketMax) return false;  // (the same for every thread)
+  if (tid < kBins) {
+    int before = incl - c;
+    for (int w = 0; w < warp; ++w) before += warp_sums[w];
+    start[tid] = before;  // a cursor: it ends at the segment's end
+  }
+  __syncthreads();  // (c) the segments' starts
+#pragma unroll
+  for (int e = 0; e < E; ++e)
+    if (e * kThreads + tid < k_eff) seg[atomicAdd(&start[bucket[e]], 1)] = v[e];
+  __syncthreads();  // (d) the segments
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    if (e * kThreads + tid < k_eff) {
+      const int end = start[bucket[e]], base = end - count[bucket[e]];
+      int place = base;
+      for (int j = base; j < end; ++j) place += seg[j] > v[e];
+      out_row[place * so_k] = int(~uint32_t(v[e] & 0xFFFFFFFFull));
+    }
+  }
+  for (int i = k_eff + tid; i < topk; i += kThreads) out_row[i * so_k] = -1;
+  return true;
+}
+
+// diagnostics (stop_after 5): which sort ran, 1 the buckets, 0 the bitonic sort, in out_row[0] (out is
+// then wrong)
+__device__ __forceinline__ void report_sort(int stage, bool bucketed, int* out_row) {
+  if (stage != 5) return;
+  __syncthreads();  // every pick written
+  if (threadIdx.x == 0) out_row[0] = bucketed;
+}
+
+// (4) + (5): the bucket sort where it serves (kpad <= 2 * kThreads, no bucket past kBucketMax), else
+// the bitonic sort; true when the buckets served (the diagnostics report it). `sort` holds the bucket
+// sort's scratch (count[] zero on entry).
+struct SortScratch {
+  int count[kBins], start[kBins], most[kBins / 32];
+};
+__device__ __forceinline__ bool order_picks(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff, int topk,
+                                            int kpad, uint32_t lo, uint32_t hi_key, bool buckets, SortScratch& sort,
+                                            int* warp_sums) {
+  if (buckets && k_eff > 0 && kpad <= 2 * kThreads) {
+    unsigned long long* seg = picks + 2 * kThreads;
+    if (kpad <= kThreads ? bucket_sort_and_store<1>(picks, seg, sort.count, sort.start, sort.most, k_eff, topk, lo,
+                                                    hi_key, out_row, so_k, warp_sums)
+                         : bucket_sort_and_store<2>(picks, seg, sort.count, sort.start, sort.most, k_eff, topk, lo,
+                                                    hi_key, out_row, so_k, warp_sums))
+      return true;
+  }
+  sort_picks(picks, out_row, so_k, k_eff, topk, kpad);
+  return false;
 }
 
 // Rows of at most 16 scores a thread (8192: V4 at 32K context): the candidates stay in registers.
@@ -300,20 +432,26 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
   int* hist = reinterpret_cast<int*>(scratch);
   unsigned long long* picks = reinterpret_cast<unsigned long long*>(scratch);
-  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
-  __shared__ int warp_sums[kWarps];
+  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];  // find_floor's, with warp_live
+  __shared__ int warp_sums[kWarps], warp_live[kWarps];
   __shared__ Published pub;
+  __shared__ int sink[kThreads];  // where a thread's histogram count goes when its entry is not counted
+  __shared__ SortScratch sort;
+  const int stage = stop_after & 15;
 
   const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
   const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
   uint32_t key[ITEMS];
-  load_row(task.row, first, vis, key);
-  if (stop_after == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
+  load_row(task.row, first, N, key);
+  if (stage == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
     if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
     return;
   }
   uint32_t floor_key, lo_key, hi_key;
-  find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_sums, floor_key, lo_key, hi_key);
+  if (threadIdx.x == 0) pub.claimed = 0;
+  if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
+  clear_histograms(hist);  // (find_floor's barrier publishes the three)
+  find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_live, floor_key, lo_key, hi_key);
 
   // (2) select: k_rem = picks still needed from the interval [lo, lo + span]
   uint32_t lo = lo_key, span = hi_key - lo_key;
@@ -321,7 +459,6 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   bool done = k_eff == 0;
   int* my_hist = hist + (threadIdx.x >> 5) * kBins;  // this warp's own histogram: no contention between warps
   int passes = 0;  // reported by the diagnostics
-  if (span != 0 && !done) clear_histograms(hist);
 #pragma unroll 1
   while (span != 0 && !done) {
     const int shift = pass_shift(span);
@@ -329,7 +466,11 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const uint32_t off = key[i] - lo;  // keys below lo wrap past span
-      if (first + i < vis && key[i] >= floor_key && off <= span) atomicAdd(&my_hist[off >> shift], 1);
+      const bool counted = first + i < vis && key[i] >= floor_key && off <= span;
+      // every entry an atomic, to its bin or to the thread's own sink: no branch, no reconvergence (at
+      // 8 entries a thread, 64 registers for two CTAs an SM, that form spilled: the branch there)
+      if constexpr (ITEMS != 8) atomicAdd(counted ? &my_hist[off >> shift] : &sink[threadIdx.x], 1);
+      else if (counted) atomicAdd(&my_hist[off >> shift], 1);
     }
     __syncthreads();  // (a) the histograms are complete
     take_threshold_bin(shift, lo, span, k_rem, done, hist, warp_sums, pub);
@@ -337,15 +478,15 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   // the picks: every candidate above lo + span, and k_rem of those in [lo, lo + span] (all of them
   // when done; else the interval is one key, and ties go to the lower index)
   const uint32_t hi = lo + span;
-  if (stop_after == 2) {  // diagnostics: loaded and selected; how many passes the select took
+  if (stage == 2) {  // diagnostics: loaded and selected; how many passes the select took
     if (threadIdx.x == 0) task.out_row[0] = passes;
     return;
   }
 
   // (3) compaction: every candidate (live, >= floor) above hi, then the first k_rem by index in
-  // [lo, hi] (all of them when done). One scan counts both (above in the low half-word, in the
-  // interval in the high: each total <= N <= 32768); the picks' order is the sort's business, so
-  // above go to [0, n_above) and the interval's after them.
+  // [lo, hi] (all of them when done: then slots in any order, claim_slots). Else one scan counts both
+  // (above in the low half-word, in the interval in the high: each total <= N <= 32768); the picks'
+  // order is the sort's business, so above go to [0, n_above) and the interval's after them.
   // this thread's entries of each kind, a bit each
   unsigned above_bits = 0, eq_bits = 0;
   static_assert(ITEMS <= 32, "a bit an entry in one word");
@@ -355,30 +496,41 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
     if (live && key[i] > hi) above_bits |= 1u << i;
     if (live && key[i] >= lo && key[i] <= hi) eq_bits |= 1u << i;
   }
-  unsigned packed_total;
-  const unsigned packed_before = block_exclusive_scan(unsigned(__popc(above_bits)) | unsigned(__popc(eq_bits)) << 16,
-                                                      reinterpret_cast<unsigned*>(warp_sums), &packed_total);
-  int above_slot = int(packed_before & 0xFFFFu);
-  int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);  // the equal ones after every above
-  const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
   // (picks alias the histograms, last read before the select's final barriers; the sort reads
   // only [0, k_eff), so nothing is cleared)
+  if (done && k_eff > 0) {
+    const unsigned mine = above_bits | eq_bits;
+    int slot = claim_slots(__popc(mine), &pub.claimed);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const unsigned long long pick = (static_cast<unsigned long long>(key[i]) << 32) | uint32_t(~uint32_t(first + i));
-    if ((above_bits >> i) & 1u) picks[above_slot++] = pick;
-    if ((eq_bits >> i) & 1u) {
-      if (eq_slot < eq_end) picks[eq_slot] = pick;
-      ++eq_slot;
+    for (int i = 0; i < ITEMS; ++i)
+      if ((mine >> i) & 1u) picks[slot++] = pack_pick(key[i], first + i);
+  } else {
+    unsigned packed_total;
+    const unsigned packed_before = block_exclusive_scan(
+        unsigned(__popc(above_bits)) | unsigned(__popc(eq_bits)) << 16, reinterpret_cast<unsigned*>(warp_sums),
+        &packed_total);
+    int above_slot = int(packed_before & 0xFFFFu);
+    int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);  // the equal ones after every above
+    const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const unsigned long long pick = pack_pick(key[i], first + i);
+      if ((above_bits >> i) & 1u) picks[above_slot++] = pick;
+      if ((eq_bits >> i) & 1u) {
+        if (eq_slot < eq_end) picks[eq_slot] = pick;
+        ++eq_slot;
+      }
     }
   }
   __syncthreads();
-  if (stop_after == 3) {  // diagnostics: loaded, selected, compacted
+  if (stage == 3) {  // diagnostics: loaded, selected, compacted
     if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
     return;
   }
   // (4) + (5): sort the picks and write them out
-  sort_picks(picks, task.out_row, so_k, k_eff, topk, kpad);
+  const bool bucketed = order_picks(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key,
+                                    !(stop_after & kDiagBitonic), sort, warp_sums);
+  report_sort(stage, bucketed, task.out_row);
 }
 
 // Rows of more than 16 scores a thread (up to 32768: V4 at 128K context). With 64 registers of the
@@ -406,10 +558,9 @@ struct ListSmem {
 // (2) select over for_each(f), which calls f(key) on this thread's candidates; returns the passes.
 template <class ForEach>
 __device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_t& lo, uint32_t& span, int& k_rem,
-                                                bool& done, int* hist, int* warp_sums, Published& pub) {
+                                                bool& done, int* hist, int* sink, int* warp_sums, Published& pub) {
   int* my_hist = hist + (threadIdx.x >> 5) * kBins;
   int passes = 0;
-  if (span != 0 && !done) clear_histograms(hist);
 #pragma unroll 1
   while (span != 0 && !done) {
     const int shift = pass_shift(span);
@@ -417,7 +568,7 @@ __device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_
     const uint32_t lo_now = lo, span_now = span;
     for_each([&](uint32_t key, int) {
       const uint32_t off = key - lo_now;  // keys below lo wrap past span
-      if (off <= span_now) atomicAdd(&my_hist[off >> shift], 1);
+      atomicAdd(off <= span_now ? &my_hist[off >> shift] : &sink[threadIdx.x], 1);  // (no branch)
     });
     __syncthreads();  // (a) the histograms are complete
     take_threshold_bin(shift, lo, span, k_rem, done, hist, warp_sums, pub);
@@ -426,10 +577,21 @@ __device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_
 }
 
 // (3) compaction over for_each(f), which calls f(key, index) on this thread's candidates in index
-// order (and the threads' in thread order): as topk_rows_kernel's, counting twice instead of bits.
+// order (and the threads' in thread order): as topk_rows_kernel's, counting twice instead of bits
+// (`every`: the select was done, each candidate at or above lo is a pick, slots in no order).
 template <class ForEach>
 __device__ __forceinline__ void compact_picks(const ForEach& for_each, uint32_t lo, uint32_t hi, int k_rem,
-                                              unsigned long long* picks, int* warp_sums) {
+                                              bool every, unsigned long long* picks, int* warp_sums, int* claimed) {
+  if (every) {
+    int n = 0;
+    for_each([&](uint32_t key, int) { n += key >= lo; });
+    int slot = claim_slots(n, claimed);
+    for_each([&](uint32_t key, int index) {
+      if (key >= lo) picks[slot++] = pack_pick(key, index);
+    });
+    __syncthreads();
+    return;
+  }
   unsigned n_above = 0, n_eq = 0;
   for_each([&](uint32_t key, int) {
     n_above += key > hi;
@@ -442,7 +604,7 @@ __device__ __forceinline__ void compact_picks(const ForEach& for_each, uint32_t 
   int eq_slot = int(packed_total & 0xFFFFu) + int(packed_before >> 16);
   const int eq_end = int(packed_total & 0xFFFFu) + k_rem;
   for_each([&](uint32_t key, int index) {
-    const unsigned long long pick = (static_cast<unsigned long long>(key) << 32) | uint32_t(~uint32_t(index));
+    const unsigned long long pick = pack_pick(key, index);
     if (key > hi) picks[above_slot++] = pick;
     if (key >= lo && key <= hi) {
       if (eq_slot < eq_end) picks[eq_slot] = pick;
@@ -511,9 +673,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
   uint32_t* list_key = reinterpret_cast<uint32_t*>(smem + Layout::kScratch);
   uint16_t* list_index = reinterpret_cast<uint16_t*>(smem + Layout::kScratch + Layout::kKeys);
   float* slice = reinterpret_cast<float*>(smem + Layout::kStaged + threadIdx.x * Layout::kSlice);
-  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];
-  __shared__ int warp_sums[kWarps];
+  __shared__ uint32_t warp_min[kWarps], warp_max[kWarps];  // find_floor's, with warp_live
+  __shared__ int warp_sums[kWarps], warp_live[kWarps];
   __shared__ Published pub;
+  __shared__ int sink[kThreads];  // as topk_rows_kernel's
+  __shared__ SortScratch sort;
   __shared__ __align__(8) uint64_t bar;
 
   const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
@@ -532,7 +696,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
       if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
       return;
     }
-    find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_sums, floor_key, lo_key, hi_key);
+    if (threadIdx.x == 0) pub.claimed = 0;
+    if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
+    clear_histograms(hist);  // (find_floor's barrier publishes the three)
+    find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_live, floor_key, lo_key, hi_key);
     int n_mine = 0;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) n_mine += first + i < vis && key[i] >= floor_key;
@@ -574,20 +741,23 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
   uint32_t lo = lo_key, span = hi_key - lo_key;
   int k_rem = k_eff;
   bool done = k_eff == 0;
-  const int passes = listed ? select_threshold(in_list, lo, span, k_rem, done, hist, warp_sums, pub)
-                            : select_threshold(in_row, lo, span, k_rem, done, hist, warp_sums, pub);
+  const int passes = listed ? select_threshold(in_list, lo, span, k_rem, done, hist, sink, warp_sums, pub)
+                            : select_threshold(in_row, lo, span, k_rem, done, hist, sink, warp_sums, pub);
   const uint32_t hi = lo + span;
   if (stage == 2) {  // diagnostics: loaded and selected; the select's passes, + 256 off the list
     if (threadIdx.x == 0) task.out_row[0] = passes + (listed ? 0 : 256);
     return;
   }
-  if (listed) compact_picks(in_list, lo, hi, k_rem, picks, warp_sums);
-  else compact_picks(in_row, lo, hi, k_rem, picks, warp_sums);
+  // (rows off the list keep the ordered compaction: a second unordered one, inlined, made this kernel spill)
+  if (listed) compact_picks(in_list, lo, hi, k_rem, done && k_eff > 0, picks, warp_sums, &pub.claimed);
+  else compact_picks(in_row, lo, hi, k_rem, false, picks, warp_sums, &pub.claimed);
   if (stage == 3) {  // diagnostics: loaded, selected, compacted
     if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
     return;
   }
-  sort_picks(picks, task.out_row, so_k, k_eff, topk, kpad);
+  const bool bucketed = order_picks(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key,
+                                    !(stop_after & kDiagBitonic), sort, warp_sums);
+  report_sort(stage, bucketed, task.out_row);
 }
 
 template <int ITEMS>
@@ -629,7 +799,9 @@ int dsv4_topk_rows_max_topk() { return kMaxTopk; }
 // stop_after (diagnostics; 0 = the whole kernel): 1 after the load, 4 after the floor and the
 // candidate list (rows of more than 8192 scores), 2 after the select, 3 after the compaction -- for
 // timing the stages by difference; out is then wrong. + 16 (kDiagNoList): no row takes the list;
-// + 32 (kDiagNoBulk): the list kernel loads its row by plain loads, not bulk copies.
+// + 32 (kDiagNoBulk): the list kernel loads its row by plain loads, not bulk copies; + 64 (kDiagBitonic):
+// the bitonic sort orders every row's picks. stop_after 5: the whole kernel, then out[b, s, 0] says
+// which sort ran (1 the bucket sort, 0 the bitonic).
 int dsv4_topk_rows_diag(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
                         int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
                         int topk, void* stream, int stop_after) {

@@ -48,6 +48,8 @@ def rows(B, S, N, kind, seed=0):
         x[..., 7::11] = float("inf")
     elif kind == "rising":  # ascending scores: thread 0's maximum is the floor, nearly all of a row a candidate
         x = torch.randint(-50, 50, (B, S, N), generator=g, device="cuda").float().sort(-1).values
+    elif kind == "grid64":  # Gaussian scores rounded to 1/64: ~16 copies of the 512th best of 8192
+        x = (x * 64).round() / 64
     return x
 
 
@@ -68,7 +70,7 @@ def test_topk_rows_cuda_fake_matches_real(fake_check):
                torch.full((2, 1), 8192, device="cuda", dtype=I32), 512)
 
 
-@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf", "rising"])
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "inf", "rising", "grid64"])
 @pytest.mark.parametrize("N", [1, 100, 2048, 2049, 4096, 8192, 8258, 16384, 16387, 32768])
 def test_topk_rows_cuda_matches_reference(N, kind):
     """Every register-row size (4 .. 64 scores a thread, and the sizes just past each), random
@@ -114,6 +116,48 @@ def test_every_path_of_the_kernel_picks_alike(N, kind):
         for flags in (0, lib.DIAG_NO_BULK, lib.DIAG_NO_LIST, lib.DIAG_NO_BULK + lib.DIAG_NO_LIST):
             torch.testing.assert_close(lib.topk_rows(view, visible, 512, stop_after=flags), want, rtol=0, atol=0,
                                        msg=lambda m: f"flags {flags}: {m}")
+
+
+@pytest.mark.parametrize("N", [2048, 4096, 8192, 8196])
+def test_entries_past_visible_are_never_picked_though_the_kernel_reads_them(N):
+    """Rows of at most 8192 scores load whole, before their visible length arrives (so that the loads
+    need not wait for it), and every later stage must drop the entries at or past ``visible``. Here
+    those entries are the row's best by far (+inf, 1e30): one picked, or counted into the select's
+    histograms, would change the picks. ``visible`` cuts through a thread's entries (not a multiple of
+    its 4 to 16), leaves fewer live entries than ``topk``, and none."""
+    x = rows(2, 3, N, "randn", seed=N)
+    visible = torch.tensor([[N - 5, N // 2 + 3, 300], [1, 0, N]], device="cuda", dtype=I32)
+    dead = torch.arange(N, device="cuda") >= visible[..., None]
+    x = torch.where(dead, torch.where(torch.arange(N, device="cuda") % 2 == 0, float("inf"), 1e30), x)
+    got = lib.topk_rows(x, visible, 512)
+    torch.testing.assert_close(got, stable_topk(x, visible, 512), rtol=0, atol=0)
+    assert (got < visible[..., None]).all()  # -1 included
+
+
+@pytest.mark.parametrize("N", [4096, 8192, 32768])
+@pytest.mark.parametrize("topk", [100, 512, 1024, 2048])
+@pytest.mark.parametrize("kind", ["randn", "grid64", "ties"])
+def test_the_bucket_sort_orders_as_the_bitonic_sort_and_yields_to_it(N, topk, kind):
+    """Up to 1024 picks are ordered by buckets of their keys (each pick placed by the picks of its
+    bucket better than it) unless a bucket holds more than 64 of them; then, and past 1024 picks, by
+    the bitonic sort. The kernel's report says which ran: the buckets on random rows, also with ~15
+    equal scores at the k-th best (grid64: equal keys in one bucket, told apart by index); the
+    bitonic sort on long rows of 7 distinct scores and at 2048 picks. Both orders equal the stable sort's,
+    and DIAG_BITONIC gives the same picks everywhere."""
+    x = rows(2, 2, N, kind, seed=topk + N)
+    visible = torch.tensor([[N, N - 3], [N // 2, topk // 2]], device="cuda", dtype=I32)
+    want = stable_topk(x, visible, topk)
+    torch.testing.assert_close(lib.topk_rows(x, visible, topk), want, rtol=0, atol=0)
+    torch.testing.assert_close(lib.topk_rows(x, visible, topk, stop_after=lib.DIAG_BITONIC), want, rtol=0, atol=0)
+    bucketed = lib.topk_rows(x, visible, topk, stop_after=lib.REPORT_SORT)[..., 0]
+    assert set(bucketed.flatten().tolist()) <= {0, 1}
+    if topk > 1024:
+        assert (bucketed == 0).all(), bucketed
+    elif kind == "ties":
+        assert (bucketed[0] == 0).all(), bucketed  # the long rows: hundreds of copies of each score
+    elif kind == "randn" or topk <= 512:
+        assert bucketed[0, 0] == 1, bucketed  # the whole row: its picks spread over the buckets
+    assert (lib.topk_rows(x, visible, topk, stop_after=lib.REPORT_SORT + lib.DIAG_BITONIC)[..., 0] == 0).all()
 
 
 @pytest.mark.parametrize("topk", [1, 2, 100, 512, 1024, 2048])
