@@ -1,13 +1,14 @@
 """Two builds of the CUDA top-k (``csrc/kernels/topk_rows.cu``) timed on the same rows, in turns.
 
     git show HEAD:csrc/kernels/topk_rows.cu > /tmp/base.cu
-    PYTHONPATH=$PWD python3 benchmarks/topk_ab.py --base /tmp/base.cu [--flags 64 256]
+    PYTHONPATH=$PWD python3 benchmarks/topk_ab.py --base /tmp/base.cu [--flags 64] [--extra NAME=FILE ...]
 
 The rows are what the kernel serves in the bench cases: the indexer's scores of ``bench_ops.py``'s
 ``indexer_topk`` inputs (``kernel_bench/cases.py``, Flash widths, bf16 keys) at B = 64, 128 x 32K,
 128K context, and Gaussian rows of the same shape. Each case: both builds' picks must be equal (else
 the line says so and no time is given), then ``--rounds`` rounds of base, candidate (and the
-candidate with each of ``--flags``, its diagnostics' ``stop_after`` flags, e.g. a change turned off),
+candidate with each of ``--flags``, its diagnostics' ``stop_after`` flags, e.g. 64 = ``DIAG_BITONIC``,
+the bucket sort turned off; then each ``--extra`` build),
 one after the other, so that drift between rounds shows as the spread. One line a case and build:
 ``topk_ab B=.. ctx=.. rows=scores|gaussian build=base|cand|cand+F us=r1/r2/.. median=..``.
 """
