@@ -154,7 +154,7 @@ def experts_blocked(x: Tensor, indices: Tensor, w13: Tensor, w2: Tensor, limit: 
 
 class Experts(nn.Module):
     """All routed experts as stacked 3-D weights (HF's fused layout), each token running only its
-    top-k: a routed MoE must cost what the routed experts cost (256 experts ~ 8 at equal top-k).
+    top-k: a routed MoE must cost what the routed experts cost (256 experts ~ 32 at equal top-k).
 
     A few tokens on a Triton device (decode; `moe_gemv_supported`): `dsv4::moe_gemv`, two GEMV
     launches over each assignment's expert rows. More tokens, CUDA bf16 on sm90/sm100: `torch._grouped_mm` over the expert-sorted assignments
