@@ -31,8 +31,8 @@ drawn on the GPU in seconds; no HF points by default: HF would build it in fp32 
 1 x 4K, HF at 1 x 4K, 1 x 32K, 8 x 4K -- takes about 4-5 minutes on an H200 with cold compile
 caches (6 graphs compiles of ~20 s, 2.4M prefill tokens at batch 64, HF <= 60 s).
 
-    python3 benchmarks/bench_model.py --out out/bench_model.json              # GPU box (gpu_check.sh bench)
-    python3 benchmarks/bench_model.py --aoti --batches 1 8 --out out/aoti.json # AOTI (gpu_check.sh aoti)
+    python3 benchmarks/bench_model.py --out out/bench_model.json              # GPU box (tools/gpu_check.sh model)
+    python3 benchmarks/bench_model.py --aoti --batches 1 8 --out out/aoti.json # AOTI (tools/gpu_check.sh aoti)
     python3 benchmarks/bench_model.py --smoke --out /tmp/bench_model.json     # tiny config, eager, CPU: seconds
     python3 benchmarks/bench_model.py --config flash-slice --out out/flash_slice.json   # the Flash slice
     python3 benchmarks/bench_model.py --kv-cache-dtype bf16 fp8 --modes graphs --out out/fp8.json   # FP8 vs bf16

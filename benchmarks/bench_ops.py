@@ -2,8 +2,8 @@
 reference vs the roofline floor (DESIGN.md §6). The logic lives in ``benchmarks/kernel_bench/``,
 the timer in ``benchmarks/timing.py``.
 
-    python3 benchmarks/bench_ops.py [--quick] [--out DIR]      # on the GPU box (gpu_check.sh ops / ops-full)
-    python3 benchmarks/bench_ops.py --kv-cache-dtype bf16 fp8 ...   # + FP8-cache rows (gpu_check.sh ops-fp8)
+    python3 benchmarks/bench_ops.py [--quick] [--out DIR]      # on the GPU box (tools/gpu_check.sh ops)
+    python3 benchmarks/bench_ops.py --kv-cache-dtype bf16 fp8 ...   # + FP8-cache rows
     python3 benchmarks/bench_ops.py --tiny --device cpu         # CPU smoke run (seconds)
     python3 benchmarks/bench_ops.py --from-json DIR/bench_ops.json --out DIR2   # table + plot again
 """

@@ -24,7 +24,7 @@ a speculative step reads it once for the verify pass (its B (k+1) tokens route t
 plus, k times, the MTP block (its routed experts for B tokens), the shared LM head, the MTP
 window and B embedding rows -- the k draft forwards depend on each other.
 
-    python3 benchmarks/bench_spec.py --out out/bench_spec.json     # GPU box (gpu_check.sh spec), ~5 min cold
+    python3 benchmarks/bench_spec.py --out out/bench_spec.json     # GPU box (tools/gpu_check.sh spec), ~5 min cold
     python3 benchmarks/bench_spec.py --config flash-slice --distill-steps 200 --ks 1 2 3 4 --out out/spec.json
     python3 benchmarks/bench_spec.py --smoke --out /tmp/spec.json   # tiny config, eager, CPU
 """

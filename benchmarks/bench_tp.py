@@ -18,7 +18,7 @@ GPUs) and runs the same calls again, the collectives inside each step. Per batch
 
 NCCL runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``, set by ``init_distributed``).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out benchmarks/results/h200x2_bench_tp.json
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out out/bench_tp.json
     torchrun --nproc-per-node 2 benchmarks/bench_tp.py --smoke --out /tmp/bench_tp.json   # tiny, fp32, gloo, CPU
 """
 from __future__ import annotations

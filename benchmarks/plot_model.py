@@ -2,8 +2,8 @@
 the bytes floor (bench_model.py), and speculative-step cost vs k next to its floor ratio
 (bench_spec.py). Needs matplotlib (not a project requirement).
 
-    python3 benchmarks/plot_model.py benchmarks/results/h200_bench_model.json \
-        benchmarks/results/h200_bench_spec.json -o benchmarks/results/h200_model.png
+    python3 benchmarks/plot_model.py out/bench_model.json \
+        out/bench_spec.json -o out/model.png
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Two kinds of rows:
 
-- **Kernel rows** (``kernel_time``; ``bench_ops.py``, ``sweep_kernels.py``): one op on prepared
+- **Kernel rows** (``kernel_time``; ``bench_ops.py``, ``tools/sweep_kernels.py``): one op on prepared
   inputs. CUDA: ``triton.testing.do_bench_cudagraph`` -- the calls are captured into a CUDA
   graph and replayed, so the time is device time without the Python / dispatcher cost of an
   eager call (tens of us, which would swamp the few-us decode kernels); median of its replays.
@@ -12,7 +12,7 @@ Two kinds of rows:
   cache in between. If capture fails (an op that syncs the host) or runs out of memory, the
   fallback is ``triton.testing.do_bench`` (one CUDA-event pair per call, L2 flushed before each;
   it can include launch overhead for tiny ops), marked ``method="do_bench"``.
-- **Public-call rows** (``time_call``; ``bench_model.py``, ``bench_spec.py``, ``profile_step.py``):
+- **Public-call rows** (``time_call``; ``bench_model.py``, ``bench_spec.py``, ``tools/profile_step.py``):
   what a user calls (``Generator.prefill`` / ``decode`` / ``generate``, ``AOTIGenerator``, HF).
   CUDA: one CUDA-event pair around each call, median over ``iters`` calls after ``warmup``
   calls. ``sync_each=False`` times the calls back to back, as a generation loop issues them (a

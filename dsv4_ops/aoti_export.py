@@ -39,7 +39,7 @@ from .model.attention import AttentionState
 from .model.kv_cache_dtype import check_kv_cache_dtype
 from .ops import attention_sm90 as sm90
 from .ops import topk_cuda
-from .ops._validate import check_int
+from .ops.validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
 from .speculative import SpecState, SpeculativeStep

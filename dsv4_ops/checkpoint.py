@@ -12,7 +12,7 @@ import torch
 
 from . import quant_formats as qf
 from .config import DSV4Config
-from .model.model import DeepseekV4ForCausalLM, _cast_non_fp32_params, _rope
+from .model.model import DeepseekV4ForCausalLM, cast_non_fp32_params, rope_tables_for
 from .model.mtp import MTPBlock
 
 __all__ = ["load_pretrained", "check_load", "finish_meta_model", "QuantConfig"]
@@ -428,8 +428,8 @@ def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCaus
     for i, blk in enumerate(model.mtp):
         if all(p.is_meta for p in blk.parameters()):
             with torch.device(device):
-                fresh = MTPBlock(model.config, _rope(model.config, 1, device))
-            _cast_non_fp32_params(fresh, model.dtype)
+                fresh = MTPBlock(model.config, rope_tables_for(model.config, 1, device))
+            cast_non_fp32_params(fresh, model.dtype)
             model.mtp[i] = fresh
     model.materialize_buffers(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -438,8 +438,8 @@ def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCaus
     return model
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                    max_positions: int | None = None, process_group=None) -> DeepseekV4ForCausalLM:
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
+                    max_positions: int | None = None, tp=None, shard=None) -> DeepseekV4ForCausalLM:
     """A ``dsv4_ops.DeepseekV4ForCausalLM`` from a checkpoint directory: ``config.json`` (a
     transformers ``DeepseekV4Config``) plus safetensors (one file or shards with
     ``model.safetensors.index.json``), in HF names or in DeepSeek's own names (what
@@ -473,19 +473,10 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     no counterpart, a shape / dtype / scale does not match, or the quantisation format is
     unknown — before any weight data is read, where the headers tell.
 
-    ``process_group``: load this rank's tensor/expert-parallel shard only
-    (``dsv4_ops.parallel.load_pretrained``; call it on every rank of the group).
+    ``tp`` (a ``parallel.TensorParallel``) and ``shard`` (``model -> model``, the same model sliced
+    for that rank: ``parallel.shard_with``): read and keep only that rank's shard
+    (``dsv4_ops.parallel.load_pretrained``).
     """
-    if process_group is not None:
-        from .parallel.load import load_pretrained as load_shard
-
-        return load_shard(path, process_group, dtype=dtype, device=device, max_positions=max_positions)
-    return _load(path, dtype, device, max_positions)
-
-
-def _load(path, dtype, device, max_positions, tp=None) -> DeepseekV4ForCausalLM:
-    """``load_pretrained``; with ``tp`` (a ``parallel.TensorParallel``) only that rank's shard is
-    read and kept."""
     from transformers import DeepseekV4Config
 
     path = os.fspath(path)
@@ -513,9 +504,7 @@ def _load(path, dtype, device, max_positions, tp=None) -> DeepseekV4ForCausalLM:
     if missing:
         raise ValueError(f"load_pretrained: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
     if tp is not None:
-        from .parallel.shard import shard_with
-
-        want = shard_with(model, tp).state_dict()  # on meta: the rank's shapes, nothing allocated
+        want = shard(model).state_dict()  # on meta: the rank's shapes, nothing allocated
     tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts, tp)
     if "lm_head.weight" not in tensors and cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -527,4 +516,4 @@ def _load(path, dtype, device, max_positions, tp=None) -> DeepseekV4ForCausalLM:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         finish_meta_model(model, device)
-    return shard_with(model, tp).eval()
+    return shard(model).eval()

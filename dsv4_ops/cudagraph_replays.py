@@ -3,9 +3,11 @@
 ``torch.compile(mode="reduce-overhead")`` decides per call whether to warm up (run eagerly),
 record a graph, replay one, or fall back to the eager kernels (a "cudagraph skip"), and counts
 none of this. A call that compiled nothing is therefore no evidence of a replay. The one place a
-recorded graph is replayed is ``CUDAGraphNode.run`` (recording runs ``run_first_inputs``), so we
-wrap that method once to count its calls in ``torch._dynamo.utils.counters["inductor"]`` under
-``cudagraph_replays``. Read-only: the wrapper only counts, then calls the original.
+recorded graph is replayed is ``CUDAGraphNode.run`` (recording runs ``run_first_inputs``), so
+:func:`install` wraps that method to count its calls in ``torch._dynamo.utils.counters["inductor"]``
+under ``cudagraph_replays``. Read-only: the wrapper only counts, then calls the original. Nothing
+is patched at import: the first generator that replays CUDA graphs installs it (``Generator``),
+and so may a caller that wants the count (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import functools
 
 import torch
 
-__all__ = ["replays", "KEY"]
+__all__ = ["install", "replays", "KEY"]
 
 KEY = "cudagraph_replays"
 
 
-def _install() -> bool:
+def install() -> bool:
+    """Count replays from now on (idempotent). False on a torch without cudagraph trees, where
+    nothing can be replayed."""
     try:
         from torch._inductor.cudagraph_trees import CUDAGraphNode
-    except ImportError:  # a torch without cudagraph trees: nothing can be replayed
+    except ImportError:
         return False
     run = CUDAGraphNode.run
     if getattr(run, "_dsv4_counts_replays", False):
@@ -37,10 +41,7 @@ def _install() -> bool:
     return True
 
 
-_INSTALLED = _install()
-
-
 def replays() -> int:
-    """CUDA graphs replayed by Inductor's cudagraph trees so far (process-wide, monotone unless
-    someone clears dynamo's counters: take differences of calls close together)."""
+    """CUDA graphs replayed by Inductor's cudagraph trees since :func:`install` (process-wide,
+    monotone unless someone clears dynamo's counters: take differences of calls close together)."""
     return torch._dynamo.utils.counters["inductor"][KEY]

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import sampling
 from .generate_args import GenerateArgs, parse_generate_args
-from .ops._validate import check_int
+from .ops.validate import check_int
 from .sampling import SamplingParams
 
 __all__ = ["GenerationLoop", "PreparedBatch", "check_prompts", "check_next_ids", "pad_rows", "chunked",

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import sampling
+from . import cudagraph_replays, sampling
 from .cudagraph_replays import replays
 from .generation_loop import GenerationLoop, PreparedBatch, check_int, pad_rows
 from .sampling import SamplingParams
@@ -68,10 +68,8 @@ class Generator(GenerationLoop):
         pdl: programmatic dependent launch between the compiled steps' Inductor kernels
             (``torch._inductor.config.triton.enable_pdl``, used on sm_90+ NVIDIA GPUs; a no-op
             elsewhere): a kernel's launch and its loads of what the kernel before it did not write
-            overlap that kernel's end. Off by default: on the H200 it took a batch-1 decode step of
-            the bench config from 0.919 to 0.787 ms but batch 64 from 1.353 to 1.387, and its
-            logits differ from the unpaired compiled run's by up to 7e-6 (fp32; the same greedy
-            tokens), which is not yet explained (BENCHMARKS.md, session 18).
+            overlap that kernel's end. Off by default: it speeds up the batch-1 step but not large
+            batches, and its logits differ from the run without it in the last bits (BENCHMARKS.md).
 
     >>> gen = Generator(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_batch_size=2, max_seq_len=64, compile=False)
     >>> [len(t) for t in gen.generate([[1, 2, 3], [4]], max_new_tokens=5)]
@@ -111,13 +109,15 @@ class Generator(GenerationLoop):
         self.cuda_graphs = (self.device.type == "cuda" and compile) if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not compile:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
+        if self.cuda_graphs:
+            cudagraph_replays.install()
         self.compiled = compile
         self.pdl = pdl  # Inductor uses it on sm_90+ NVIDIA GPUs; elsewhere the option is a no-op
         self.buckets = _buckets(max_batch_size)
-        if compile:
-            # every (step kind, bucket) is its own graph of the same code (the model's forward), and
-            # dynamo falls back to eager past `recompile_limit` graphs per code object (default 8)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # every (step kind, bucket) is its own graph of the same code (the model's forward), and dynamo
+        # falls back to eager past `recompile_limit` graphs per code object (default 8): our calls
+        # raise it while they run, and leave the process's setting alone
+        self._recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # device-side state: a row's only mutable scalar is its length; one static view per bucket
         self.lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._lengths = {b: self.lengths[:b] for b in self.buckets}
@@ -158,7 +158,7 @@ class Generator(GenerationLoop):
         t0 = time.perf_counter()
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=self._recompile_limit):
             out = fn(*args, **kwargs)
         new_graphs = counters["stats"]["unique_graphs"] - graphs_before
         self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before

@@ -22,6 +22,11 @@ import os
 
 import torch
 
+if __name__ != "dsv4_ops.lowering":
+    # one module identity: as a top-level ``lowering`` (the checkout's root on sys.path) every kernel
+    # module would exist twice, with two sets of globals and two Triton caches
+    raise ImportError(f"the kernels' package is dsv4_ops.lowering; import it under that name, not {__name__!r}")
+
 BACKEND_ENV = "DSV4_OPS_BACKEND"
 BACKENDS = ("triton", "reference")
 

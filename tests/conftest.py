@@ -110,6 +110,8 @@ def assert_fake_matches_real(op, *args):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when CUDA is unavailable)")
+    config.addinivalue_line("markers", "smem_poison: poisons every SM's shared memory before a launch; run it in one "
+                                       "process (tools/gpu_check.sh tests), not under xdist")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,10 @@
-"""benchmarks/ncu_summary.py on a hand-written Nsight Compute SASS export: the phases split at
+"""tools/ncu_summary.py on a hand-written Nsight Compute SASS export: the phases split at
 the hottest backward branch, the shares are of all samples, stalls are summed per reason."""
 import gzip
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import ncu_summary  # noqa: E402
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'

@@ -32,14 +32,14 @@ def _launches(backend: str):
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from lowering.triton import cache_write as cw
-    from lowering.triton import compress as cp
-    from lowering.triton import gemv as gv
-    from lowering.triton import indexer as ix
-    from lowering.triton import moe_gemv as mg
-    from lowering.triton import plan as pl
-    from lowering.triton import sinkhorn as sk
-    from lowering.triton import sparse_attention as sa
+    from dsv4_ops.lowering.triton import cache_write as cw
+    from dsv4_ops.lowering.triton import compress as cp
+    from dsv4_ops.lowering.triton import gemv as gv
+    from dsv4_ops.lowering.triton import indexer as ix
+    from dsv4_ops.lowering.triton import moe_gemv as mg
+    from dsv4_ops.lowering.triton import plan as pl
+    from dsv4_ops.lowering.triton import sinkhorn as sk
+    from dsv4_ops.lowering.triton import sparse_attention as sa
 
     recorded = []
 

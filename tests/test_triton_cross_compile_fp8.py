@@ -26,10 +26,10 @@ def _launches(backend: str):
 
     sys.path.insert(0, str(ROOT))
     from dsv4_ops.reference import fp8_cache as fp8
-    from lowering.triton import cache_write as cw
-    from lowering.triton import compress as cp
-    from lowering.triton import indexer as ix
-    from lowering.triton import sparse_attention as sa
+    from dsv4_ops.lowering.triton import cache_write as cw
+    from dsv4_ops.lowering.triton import compress as cp
+    from dsv4_ops.lowering.triton import indexer as ix
+    from dsv4_ops.lowering.triton import sparse_attention as sa
 
     recorded = []
 

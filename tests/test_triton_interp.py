@@ -23,14 +23,8 @@ from dsv4_ops.reference import ops as ref  # noqa: E402
 
 
 def _kernel_module(name):
-    """``dsv4_ops.lowering.triton.<name>`` when installed that way, else the checkout's ``lowering``."""
-    try:
-        return importlib.import_module(f"dsv4_ops.lowering.triton.{name}")
-    except ImportError:
-        root = str(Path(__file__).resolve().parents[1])
-        if root not in sys.path:
-            sys.path.insert(0, root)
-        return importlib.import_module(f"lowering.triton.{name}")
+    """``dsv4_ops.lowering.triton.<name>``."""
+    return importlib.import_module(f"dsv4_ops.lowering.triton.{name}")
 
 
 attn = _kernel_module("sparse_attention")

@@ -1,10 +1,13 @@
 """transformers glue: ``enable``/``disable`` run HF's own DeepseekV4ForCausalLM on the ops in place
-(``inplace.py``); ``from_hf`` builds a dsv4_ops model that shares an HF model's weights."""
+(``inplace.py``); ``from_hf`` builds a dsv4_ops model that shares an HF model's weights;
+``load_pretrained`` reads a checkpoint directory in HF's format (``checkpoint.py``)."""
 from __future__ import annotations
+
+import os
 
 import torch
 
-from ..checkpoint import check_load, load_pretrained
+from ..checkpoint import check_load, finish_meta_model, load_checkpoint
 from ..config import DSV4Config
 from ..model.model import DeepseekV4ForCausalLM
 
@@ -26,8 +29,6 @@ def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | Non
     ``load_pretrained`` of an official checkpoint loads them. Raises ``ValueError`` if any
     other parameter of ours has no counterpart in the HF state dict.
     """
-    from ..checkpoint import finish_meta_model
-
     cfg = DSV4Config.from_hf(hf_model.config)
     ref = hf_model.get_input_embeddings().weight
     model = DeepseekV4ForCausalLM(cfg, dtype=dtype or ref.dtype, device="meta", max_positions=max_positions)
@@ -36,6 +37,19 @@ def from_hf(hf_model, dtype: torch.dtype | None = None, max_positions: int | Non
           for k, v in hf_model.state_dict().items()}
     check_load("from_hf", model, model.load_state_dict(sd, strict=False, assign=True))
     return finish_meta_model(model, ref.device).eval()
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
+                    max_positions: int | None = None, process_group=None) -> DeepseekV4ForCausalLM:
+    """A ``dsv4_ops.DeepseekV4ForCausalLM`` from a checkpoint directory (``config.json`` + safetensors,
+    HF or DeepSeek names, bf16 / FP8 / FP4: ``checkpoint.load_checkpoint`` says exactly what loads).
+    ``process_group``: load this rank's tensor/expert-parallel shard only
+    (``dsv4_ops.parallel.load_pretrained``; call it on every rank of the group)."""
+    if process_group is not None:
+        from ..parallel.load import load_pretrained as load_shard
+
+        return load_shard(path, process_group, dtype=dtype, device=device, max_positions=max_positions)
+    return load_checkpoint(path, dtype, device, max_positions)
 
 
 from .inplace import disable, enable, is_enabled  # noqa: E402

@@ -27,9 +27,9 @@ from torch import Tensor, nn
 
 from ..config import DSV4Config
 from ..model.attention import Attention
-from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, _rope, set_rope
+from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, rope_tables_for, set_rope
 from ..model.plan import plan_step, ring_sizes
-from ..ops._validate import reads_values
+from ..ops.validate import reads_values
 from . import generate_hooks
 from .adopt import adopt, is_adopted, release
 from .static_cache import static_capacity
@@ -219,7 +219,7 @@ def enable(model: nn.Module) -> nn.Module:
         return model
     cfg = DSV4Config.from_hf(base.config)
     device = base.embed_tokens.weight.device
-    rope = _rope(cfg, min(cfg.max_position_embeddings, DEFAULT_MAX_POSITIONS), device)  # real: HF gets them
+    rope = rope_tables_for(cfg, min(cfg.max_position_embeddings, DEFAULT_MAX_POSITIONS), device)  # real: HF gets them
     with torch.device("meta"):  # parameters only as a layout to adopt; HF's own are used
         ours = DeepseekV4Model(cfg, rope)
     for i, layer in enumerate(ours.layers):  # the attention reads its state from the step

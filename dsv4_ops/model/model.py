@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import DSV4Config
-from ..ops._validate import check_int, reads_values
+from ..ops.validate import check_int, reads_values
 from ..reference.rope import rope_tables
 from .attention import AttentionState, RMSNorm
 from .decoder_layer import DecoderLayer
@@ -69,12 +69,14 @@ class DeepseekV4Model(nn.Module):
 
 def set_rope(attentions, cfg: DSV4Config, n: int, device) -> None:
     """Give each attention layer the shared RoPE tables of its type for ``n`` positions."""
-    rope = _rope(cfg, n, device)
+    rope = rope_tables_for(cfg, n, device)
     for attn in attentions:
         attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]
 
 
-def _rope(cfg: DSV4Config, max_positions: int, device=None) -> dict[str, tuple[Tensor, Tensor]]:
+def rope_tables_for(cfg: DSV4Config, max_positions: int, device=None) -> dict[str, tuple[Tensor, Tensor]]:
+    """(cos, sin) of positions ``< max_positions`` for the main attention (``"main"``) and the
+    compressed entries (``"compress"``), each with its own theta and YaRN settings."""
     tables = {}
     for name, layer_type in (("main", "sliding_attention"), ("compress", "compressed_sparse_attention")):
         theta, yarn = cfg.rope_params(layer_type)
@@ -110,12 +112,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.config = config
         max_positions = max_positions or min(config.max_position_embeddings, DEFAULT_MAX_POSITIONS)
         with torch.device(device or "cpu"):
-            rope = _rope(config, max_positions)
+            rope = rope_tables_for(config, max_positions)
             self.model = DeepseekV4Model(config, rope)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             # the MTP (NextN) drafter: `mtp.0.*`, used by Generator(spec_steps=k)
             self.mtp = nn.ModuleList(MTPBlock(config, rope) for _ in range(min(config.num_nextn_predict_layers, 1)))
-        _cast_non_fp32_params(self, dtype)
+        cast_non_fp32_params(self, dtype)
         self.cache_config: CacheConfig | None = None
 
     # ------------------------------------------------------------------ properties
@@ -335,7 +337,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return n_new
 
 
-def _cast_non_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:
+def cast_non_fp32_params(model: nn.Module, dtype: torch.dtype) -> None:
     """Put the big weights in ``dtype``; parameters the reference keeps fp32 stay fp32 (norms,
     mHC, sinks, compressor position biases are created fp32; Linear/Embedding weights are
     the only ones cast)."""

@@ -17,7 +17,7 @@ and the device TYPE of a tensor, both static while tracing.
 
 Checks: the body holds only the shape checks its outputs and an in-bounds launch need
 (``torch._check``, static); every dtype, device and value check, with messages that name the
-argument, is in the public wrapper (``_validate.py``). The raw ``torch.ops.dsv4`` ops read
+argument, is in the public wrapper (``validate.py``). The raw ``torch.ops.dsv4`` ops read
 out-of-range indices the same way on every backend (each op's docstring says how).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ from ..lowering.triton import sparse_attention as sa
 from ..lowering.triton.sparse_attention import combine_kernel, sparse_attention_kernel
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from . import attention_sm90 as sm90
 from ._backend import use_triton
 

@@ -7,7 +7,7 @@ from ..lowering.triton import cache_write as cw
 from ..lowering.triton.cache_write import cache_write_kernel, fp8_cache_write_kernel
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from ._backend import use_triton
 
 

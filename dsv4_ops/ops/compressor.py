@@ -7,7 +7,7 @@ from ..lowering.triton import compress as cp
 from ..lowering.triton.compress import compress_kernel
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from ._backend import use_triton
 
 

@@ -1,40 +1,66 @@
-"""``dsv4::gemv``: the dense projections of a few tokens (decode), one weight read for all of them."""
+"""``dsv4::gemv``: the model's dense projections without bias, one weight read for a decode token.
+
+At batch 1 a projection is a matrix-vector product: its cost is one read of the weight, which the
+Triton GEMV streams at close to HBM bandwidth where cuBLAS's split-K tiles reached about half
+(``lowering/triton/gemv.py``). The op takes the kernel where it measured faster than cuBLAS
+(``takes_kernel``: one token, wide rows, enough outputs) and ``F.linear`` / a grouped einsum
+everywhere else. The choice is a function of static facts (device, dtypes, shapes), so a
+compiled step takes one path and never branches on data.
+"""
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.library import wrap_triton
 
 from ..lowering.triton import gemv as gv
 from ..lowering.triton.gemv import gemv_kernel
-from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from ._backend import use_triton
+
+# Where the GEMV beat cuBLAS on the H200 (benchmarks/bench_gemv.py): one token (at 2 tokens it wins
+# only on some shapes, from 4 it loses everywhere); rows of at least 2048 inputs; and enough output
+# rows (all groups) to spread the read over the GPU (not the indexer's 64-wide weights projection)
+KERNEL_MAX_TOKENS = 1
+KERNEL_MIN_K = 2048
+KERNEL_MIN_ROWS = 512
+assert KERNEL_MAX_TOKENS <= gv.MAX_TOKENS
+
+
+def takes_kernel(x: Tensor, weight: Tensor) -> bool:
+    """Whether the Triton GEMV serves ``x [T, G, K] @ weight [G, N, K]``: a Triton device, one
+    token, matching dtypes and a contiguous weight (a sliced view would be copied on every call,
+    where cuBLAS reads it in place)."""
+    G, N, K = weight.shape
+    return (use_triton(x) and x.dtype == weight.dtype and 0 < x.shape[0] <= KERNEL_MAX_TOKENS
+            and G * N >= KERNEL_MIN_ROWS and K >= KERNEL_MIN_K and weight.is_contiguous())
 
 
 @torch.library.triton_op("dsv4::gemv", mutates_args=())
 def _gemv(x: Tensor, weight: Tensor) -> Tensor:
-    # Also the fake: shape checks, then a static device branch (see _backend.py).
+    # Also the fake: shape checks, then a static choice of path (see _backend.py).
     torch._check(x.dim() == 3 and weight.dim() == 3, lambda: "gemv: x [T, G, K], weight [G, N, K]")
     torch._check(x.shape[1] == weight.shape[0] and x.shape[2] == weight.shape[2],
                  lambda: "gemv: G and K of x and weight differ")
-    torch._check(x.shape[0] <= gv.MAX_TOKENS, lambda: f"gemv: at most {gv.MAX_TOKENS} tokens")
-    if use_triton(x):
+    if takes_kernel(x, weight):
         y, spec = gv.gemv_launch(x, weight)
         if spec is not None:
             wrap_triton(gemv_kernel)[spec.grid](*spec.args, **spec.meta)
         return y
-    return ref.gemv(x, weight).contiguous()
+    T, G, K = x.shape
+    if G == 1:  # exactly F.linear's numerics (cuBLAS / the CPU GEMM)
+        return F.linear(x.reshape(T, K), weight[0]).view(T, 1, weight.shape[1])
+    return torch.einsum("tgk,gnk->tgn", x, weight).contiguous()
 
 
 def gemv(x: Tensor, weight: Tensor) -> Tensor:
-    """``y[t, g] = weight[g] @ x[t, g]`` for a few tokens: a grouped linear layer without bias.
+    """``y[t, g] = weight[g] @ x[t, g]``: a grouped linear layer without bias.
 
     Args:
-        x: ``[T, G, K]`` float tokens (``T <= 8``), the dtype of ``weight``.
+        x: ``[T, G, K]`` float tokens, the dtype of ``weight``.
         weight: ``[G, N, K]``: ``G`` independent ``[N, K]`` projections (``G = 1``: ``F.linear``).
 
     Returns ``[T, G, N]`` in ``x``'s dtype, accumulated in fp32 and rounded once, as a matmul in
-    that dtype returns it. On CUDA / ROCm one Triton launch reads the weight once for all ``T``
-    tokens (the model takes it at decode; ``dsv4_ops.model.linear``).
+    that dtype returns it (the module docstring says when the Triton GEMV computes it).
     """
     op = "gemv"
     v.rank(op, "x", x, "[T, G, K]")
@@ -43,7 +69,5 @@ def gemv(x: Tensor, weight: Tensor) -> Tensor:
     v.same_dtype(op, "weight", weight, "x", x)
     v.dim(op, "weight", weight, 0, x.shape[1], "G of x")
     v.dim(op, "weight", weight, 2, x.shape[2], "K of x")
-    if x.shape[0] > gv.MAX_TOKENS:
-        v.fail(op, f"x has {x.shape[0]} tokens; at most {gv.MAX_TOKENS} (use F.linear / a GEMM beyond)")
     v.same_device(op, x=x, weight=weight)
     return torch.ops.dsv4.gemv(x, weight)

@@ -7,7 +7,7 @@ from ..lowering.triton import indexer as ix
 from ..lowering.triton.indexer import indexer_scores_kernel, topk_kernel, topk_row_kernel
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from . import topk_cuda
 from ._backend import use_triton
 

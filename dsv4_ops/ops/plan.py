@@ -8,7 +8,7 @@ from torch.library import wrap_triton
 from ..lowering.triton import plan as pl
 from ..lowering.triton.plan import plan_kernel
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from ._backend import use_triton
 
 

@@ -6,7 +6,7 @@ from torch.library import wrap_triton
 from ..lowering.triton import sinkhorn as sk
 from ..lowering.triton.sinkhorn import sinkhorn_kernel
 from ..reference import ops as ref
-from . import _validate as v
+from . import validate as v
 from ._backend import use_triton
 
 

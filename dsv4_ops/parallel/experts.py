@@ -10,12 +10,11 @@ rank), which breaks static shapes, ``fullgraph=True`` and CUDA-graph replay (DES
 all-reduce moves ``T x hidden`` fp32 per layer (16 KB per token at V4-Flash widths), the same
 message as the attention block's.
 
-Shape-static trick: an assignment to another rank's expert is pointed at local expert 0 with
-routing weight 0, so the expert kernels see ``T*K`` assignments whatever the routing (the same
-static layout as single-GPU ``Experts``). For a few tokens (``dsv4::moe_gemv``, decode) they are
-id -1 instead, which that op skips without reading weights. Elsewhere they cost a little compute; on the grouped-GEMM
-path (CUDA bf16) they read no extra weight bytes (expert 0 is read once), on the portable blocked
-path they gather expert 0 where single-GPU gathers the real expert (the same bytes).
+Shape-static trick: an assignment to another rank's expert gets id -1, so ``dsv4::moe_gemv`` sees
+``T*K`` assignments whatever the routing (the same static layout as single-GPU ``Experts``) and skips
+it: its GEMV kernels (decode) read no weight for it; its grouped paths run it on local expert 0 at
+weight 0, a little compute and no extra weight bytes on the grouped GEMMs (expert 0 is read once),
+expert 0's gather where single-GPU gathers the real expert on the blocked path (the same bytes).
 
 The shared expert stays replicated (``MoE`` adds it after this all-reduce, in fp32, exactly as the
 single-GPU model): it is ~1/(E/K+1) of a layer's routed bytes per token, and replicating it keeps
@@ -27,7 +26,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from ..model.moe import Experts, moe_gemv_supported
+from ..model.moe import Experts
 
 __all__ = ["ExpertShard"]
 
@@ -45,15 +44,12 @@ class ExpertShard(Experts):
         self.first, self.n_local, self.group = first, gate_up_proj.shape[0], group
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+        # the op skips ids outside [0, n_local) (zero contribution; the GEMV kernels read no weight for
+        # them), so other ranks' assignments cost nothing here
         local = indices - self.first
-        mine = (local >= 0) & (local < self.n_local)
-        if moe_gemv_supported(x, self.gate_up_proj, indices.numel()):
-            # a few tokens (decode): the op skips ids outside [0, n_local) without reading any weight,
-            # so other ranks' assignments cost nothing here (expert 0 would be read once per such row)
-            partial = torch.ops.dsv4.moe_gemv(x, torch.where(mine, local, -1), weights, self.gate_up_proj,
-                                              self.down_proj, float(self.swiglu_limit))
-        else:
-            partial = super().forward(x, torch.where(mine, local, 0), torch.where(mine, weights, 0))
+        local = torch.where((local >= 0) & (local < self.n_local), local, -1)
+        partial = torch.ops.dsv4.moe_gemv(x, local, weights, self.gate_up_proj, self.down_proj,
+                                          float(self.swiglu_limit))
         return funcol.all_reduce(partial, "sum", self.group)
 
     def extra_repr(self) -> str:

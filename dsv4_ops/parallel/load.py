@@ -2,7 +2,7 @@
 rank that fails makes every rank fail with the same clear error instead of leaving the others
 blocked in their first collective.
 
-Each rank streams the checkpoint through the ordinary loader (``checkpoint._load``), which skips
+Each rank streams the checkpoint through the ordinary loader (``checkpoint.load_checkpoint``), which skips
 the routed experts other ranks hold and slices the sharded tensors as they are read: a rank
 never holds a full copy of a sharded tensor beyond the one being decoded. The ranks then agree:
 one ``all_gather_object`` of each rank's error (or ``None``). A rank that died or hangs before
@@ -16,8 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import _load
+from ..checkpoint import load_checkpoint
 from .layout import TensorParallel
+from .shard import shard_with
 
 __all__ = ["load_pretrained", "ShardLoadError", "raise_if_any_rank_failed"]
 
@@ -51,7 +52,7 @@ def load_pretrained(path: str | os.PathLike, group=None, dtype: torch.dtype | No
     tp = TensorParallel.of(group)
     model, error = None, None
     try:
-        model = _load(path, dtype, device, max_positions, tp)
+        model = load_checkpoint(path, dtype, device, max_positions, tp, shard=lambda m: shard_with(m, tp))
     except Exception as e:  # noqa: BLE001  (any failure must reach the other ranks)
         error = e
     raise_if_any_rank_failed(tp.group, error, "load_pretrained")

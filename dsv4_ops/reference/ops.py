@@ -46,6 +46,7 @@ __all__ = [
     "gemv",
     "apply_rope",
     "rms_norm",
+    "swiglu",
 ]
 
 
@@ -57,6 +58,12 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return y * weight.float() if weight is not None else y
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """The clamped SwiGLU of V4's experts (HF and the official code): ``gate`` clamped from above
+    only, ``up`` on both sides; in the inputs' dtype."""
+    return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:

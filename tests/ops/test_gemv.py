@@ -1,6 +1,8 @@
-"""dsv4::gemv: the dense projections of a few tokens — ``y[t, g] = weight[g] @ x[t, g]`` with one
-weight read for all tokens; against a float64 oracle, against ``F.linear`` / the model's einsum,
-and (Triton kernel, interpreter on CPU) against the reference; the model takes it at decode."""
+"""dsv4::gemv: the model's dense projections — ``y[t, g] = weight[g] @ x[t, g]``; the Triton GEMV (one
+weight read for a decode token) where it beats cuBLAS, ``F.linear`` / a grouped einsum elsewhere;
+against a float64 oracle, against ``F.linear`` / the model's einsum, and (Triton kernel,
+interpreter on CPU) against the reference; the model's projections all go through it."""
+import importlib
 import os
 
 import pytest
@@ -18,6 +20,7 @@ if not CUDA:
 from test_triton_interp import _kernel_module  # noqa: E402
 
 tgemv = _kernel_module("gemv")
+gemv_op = importlib.import_module("dsv4_ops.ops.gemv")  # the module (dsv4_ops.ops.gemv is the function)
 
 
 def make_case(T, G, N, K, device="cpu", dtype=torch.float32):
@@ -64,6 +67,9 @@ def test_gemv_edge_cases(device):
     assert torch.equal(dsv4_ops.ops.gemv(x, w), torch.zeros(2, 1, 16, device=device))
     x, w = make_case(2, 3, 5, 7, device=device)  # widths no block divides
     torch.testing.assert_close(dsv4_ops.ops.gemv(x, w).double().cpu(), oracle(x, w), atol=1e-5, rtol=1e-5)
+    for G in (1, 3):  # past the kernel's 8 tokens: the GEMM path, same contract
+        x, w = make_case(40, G, 24, 32, device=device)
+        torch.testing.assert_close(dsv4_ops.ops.gemv(x, w).double().cpu(), oracle(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_gemv_rejects_bad_input():
@@ -76,8 +82,6 @@ def test_gemv_rejects_bad_input():
         dsv4_ops.ops.gemv(x, w[:1])
     with pytest.raises(ValueError, match="gemv: weight must have the dtype of x"):
         dsv4_ops.ops.gemv(x, w.bfloat16())
-    with pytest.raises(ValueError, match="gemv: x has 9 tokens; at most 8"):
-        dsv4_ops.ops.gemv(torch.randn(9, 2, 16), w)
     with pytest.raises(ValueError, match="gemv: x must be a floating-point tensor"):
         dsv4_ops.ops.gemv(x.int(), w.int())
 
@@ -125,11 +129,9 @@ def test_gemv_launch_spreads_narrow_projections():
     assert spec.meta["TOKENS"] == 8 and spec.meta["BLOCK_K"] == 64  # the same registers for 8 tokens
 
 
-# ---- the model takes the op at decode, and gets what F.linear / einsum get -----------------
-def test_projections_use_gemv_for_one_token(monkeypatch):
+# ---- the model's projections go through the op, which takes the kernel where it pays ---------
+def test_projections_run_the_op_and_get_what_f_linear_gets(monkeypatch):
     torch.manual_seed(0)
-    monkeypatch.setattr(linear, "GEMV_MIN_K", 16)  # tiny widths stand in for V4's
-    monkeypatch.setattr(linear, "GEMV_MIN_ROWS", 128)
     lin = linear.Linear(32, 256, bias=False)
     w_a = torch.randn(4, 64, 16)
     calls = []
@@ -143,35 +145,33 @@ def test_projections_use_gemv_for_one_token(monkeypatch):
     with torch.no_grad():
         want_one, want_many = F.linear(one, lin.weight), F.linear(many, lin.weight)
         want_grouped = torch.einsum("bsgk,gnk->bsgn", grouped, w_a)
-        monkeypatch.setattr(linear, "use_triton", lambda t: True)  # as on a GPU
         monkeypatch.setattr(torch.ops.dsv4, "gemv", spy, raising=False)
-        torch.testing.assert_close(lin(one), want_one, atol=1e-5, rtol=1e-5)
-        assert calls == [((1, 1, 32), (1, 256, 32))]
+        assert torch.equal(lin(one), want_one) and torch.equal(lin(many), want_many)  # F.linear's bits
+        assert calls == [((1, 1, 32), (1, 256, 32)), ((6, 1, 32), (1, 256, 32))]
         torch.testing.assert_close(linear.grouped_linear(grouped, w_a), want_grouped, atol=1e-5, rtol=1e-5)
         assert calls[-1] == ((1, 4, 16), (4, 64, 16))
-        torch.testing.assert_close(lin(many), want_many, atol=1e-5, rtol=1e-5)  # 6 tokens: F.linear
-        assert len(calls) == 2
-        linear.Linear(32, 64, bias=False)(one)  # 64 rows: cuBLAS
-        linear.Linear(8, 256, bias=False)(one[..., :8])  # 8-wide rows: cuBLAS
-        assert len(calls) == 2
+        assert linear.Linear(32, 8, bias=True)(one).shape == (1, 1, 8) and len(calls) == 3  # a bias: F.linear
     lin(one)  # autograd needs a graph through the weight: F.linear, never the op
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
-@pytest.mark.parametrize("name, rows, k, takes_gemv", [
+@pytest.mark.parametrize("name, rows, k, takes_kernel", [
     ("q_a", 1024, 4096, True), ("q_b", 32768, 1024, False), ("kv", 512, 4096, True), ("o_a (8 groups)", 8192, 4096, True),
     ("o_b", 4096, 8192, True), ("shared down", 4096, 2048, True), ("indexer q_b", 8192, 1024, False),
     ("indexer weights", 64, 4096, False)])
-def test_which_v4_flash_projections_take_gemv(monkeypatch, name, rows, k, takes_gemv):
-    # the measured choice (BENCHMARKS.md, session 9) at V4-Flash widths, one bf16 decode token
-    monkeypatch.setattr(linear, "use_triton", lambda t: True)
-    x, w = torch.empty(1, k, dtype=torch.bfloat16, device="meta"), torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
-    with torch.no_grad():
-        assert linear.gemv_supported(x, w, 1, rows) == takes_gemv
-        assert not linear.gemv_supported(x.expand(2, k), w, 2, rows)  # two tokens: cuBLAS
-        # a sliced, non-contiguous weight would be copied every call: cuBLAS reads it in place
-        wide = torch.empty(rows, 2 * k, dtype=torch.bfloat16, device="meta")
-        assert not linear.gemv_supported(x, wide[:, :k], 1, rows)
+def test_which_v4_flash_projections_take_the_kernel(monkeypatch, name, rows, k, takes_kernel):
+    # the measured choice (BENCHMARKS.md) at V4-Flash widths, one bf16 decode token on a Triton device
+    monkeypatch.setattr(gemv_op, "use_triton", lambda t: True)
+    G = 8 if name.startswith("o_a") else 1
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    x, w = torch.empty(1, G, k, **meta), torch.empty(G, rows // G, k, **meta)
+    assert gemv_op.takes_kernel(x, w) == takes_kernel
+    assert not gemv_op.takes_kernel(x.expand(2, G, k), w)  # two tokens: cuBLAS
+    # a sliced, non-contiguous weight would be copied every call: cuBLAS reads it in place
+    wide = torch.empty(G, rows // G, 2 * k, **meta)
+    assert not gemv_op.takes_kernel(x, wide[..., :k])
+    monkeypatch.setattr(gemv_op, "use_triton", lambda t: False)  # CPU, or the reference backend
+    assert not gemv_op.takes_kernel(x, w)
 
 
 @pytest.mark.gpu
@@ -209,7 +209,7 @@ def test_compiled_projection_takes_gemv_and_matches_cublas():
 def test_compiled_model_decode_with_gemv_matches_cublas_projections(monkeypatch):
     # widths where q_a, o_b, the shared experts and the MTP projections take the op (rows of
     # 2048 inputs); the same bf16 model, compiled + CUDA graphs, with the op and with cuBLAS
-    # everywhere (GEMV_MAX_TOKENS = 0), fed the same tokens: the same logits up to bf16 rounding.
+    # everywhere (the op's kernel rule off), fed the same tokens: the same logits up to bf16 rounding.
     # No discrete choice may differ between the two, or one flip moves the logits by far more than
     # rounding (session 27: with score-routed experts and an indexer picking 8 of 12 entries the
     # two runs' logits differed by 4.6% of their range): experts routed by token id (hash), and an
@@ -220,10 +220,9 @@ def test_compiled_model_decode_with_gemv_matches_cublas_projections(monkeypatch)
     cfg = DSV4Config.tiny(hidden_size=2048, q_lora_rank=512, o_lora_rank=1024, moe_intermediate_size=512,
                           mlp_layer_types=["hash_moe"] * 4, index_topk=16)
     m = random_model(cfg, dtype=torch.bfloat16, device="cuda")
-    x = torch.empty(1, 2048, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        takes = {n for n, mod in m.named_modules() if isinstance(mod, linear.Linear)
-                 and linear.gemv_supported(x[:, : mod.in_features], mod.weight, 1, mod.out_features)}
+    x = torch.empty(1, 1, 2048, dtype=torch.bfloat16, device="cuda")
+    takes = {n for n, mod in m.named_modules() if isinstance(mod, linear.Linear)
+             and gemv_op.takes_kernel(x[..., : mod.in_features], mod.weight.unsqueeze(0))}
     assert any("q_a_proj" in n for n in takes) and any("o_b_proj" in n for n in takes)
     prompts = [list(range(3, 40))]
     kw = dict(max_batch_size=1, max_seq_len=128, prefill_chunk=16)
@@ -233,7 +232,7 @@ def test_compiled_model_decode_with_gemv_matches_cublas_projections(monkeypatch)
     for _ in range(12):
         ids.append(want[-1].argmax(-1))
         want.append(with_op.decode(ids[-1]))
-    monkeypatch.setattr(linear, "GEMV_MAX_TOKENS", 0)  # read while tracing: cuBLAS everywhere
+    monkeypatch.setattr(gemv_op, "takes_kernel", lambda x, w: False)  # read while tracing: cuBLAS everywhere
     cublas = Generator(m, **kw)
     got = [cublas.prefill(prompts)] + [cublas.decode(i) for i in ids]
     for a, b in zip(want, got):

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The GPU check on the GPU box (the device tool runs it in the checkout):  bash tools/gpu_check.sh MODE [MODE ...]
+#
+#   tests   the `gpu` tests (pytest -m gpu, xdist), then `python -m dsv4_ops demo`   -> gpu_tests.log, demo.log
+#   files   the test files in $TESTS, gpu and cpu tests alike, on the GPU               -> files_tests.log
+#   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
+#           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
+#           grid (benchmarks/bench_model.py, bench_spec.py)                            -> bench_flash.*, bench_model.*
+#   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
+#   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
+#   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) -> bench_spec.*
+#   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
+#           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
+#   ab      $BASE (another checkout's root, e.g. an older commit's tree): the Flash slice's batch-1 step inside
+#           generate and the attention + indexer grid at 32K, for $BASE and for this tree, in turns ($ROUNDS, default
+#           1)                                                                          -> ab.log, ab_*.json
+#   profile kernels of the Flash slice's batch-1 public decode at 4K and 32K (tools/profile_step.py)
+#   sweep   launch-config sweep of the Triton kernels, $SWEEP = its --only list (tools/sweep_kernels.py)
+#   ncu     Nsight Compute of the hot Triton kernels, or of the Gluon attention with NCU=gluon (tools/ncu_*.py)
+#   tp      2 GPUs: the tensor-parallel demo and benchmarks/bench_tp.py
+#
+# Every mode tees its log into $OUT (or ./out); $OUT/gpu.txt names the machine and versions. The device tool returns
+# at most 8 files a call; one call runs at most 10 minutes. Wheels carried in .whl/ (a transformers with V4,
+# expecttest) are installed to /tmp/site first. The package (and its CUDA extension) is built in place once.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+[ $# -gt 0 ] || set -- tests
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+# the CUDA extension (csrc/): built in place, as `pip install -e .` does on the GPU box
+python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || { echo "build_ext failed:"; tail -20 "$OUT/build_ext.log"; }
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo yes)
+# line-buffered: a mode cut by the device call's time limit keeps the lines it printed
+quiet() { grep --line-buffered -v -e Warning -e warnings.warn -e "Online softmax" -e "split the reduction" \
+  -e "important use case" -e "^softmax\.$" -e '^\s*$'; }
+# flash_b1 TREE NAME: the Flash slice's batch-1 step inside generate at 4K and 32K, with TREE's code
+flash_b1() {
+  (cd "$1" && PYTHONPATH=${PYTHONPATH/$PWD/$1} python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks \
+    --context 4096 32768 --samples 5 --new-tokens 8 264 --out "$OUT/$2.json") 2>&1 | quiet | grep -e "plain decode" -e rror
+}
+# attn_grid TREE NAME: the attention and indexer ops' grid at V4-Flash widths, bf16 and FP8 caches, with TREE's code
+attn_grid() {
+  (cd "$1" && PYTHONPATH=${PYTHONPATH/$PWD/$1} python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk \
+    --shapes flash --batches 1 64 128 --contexts 32K --kv-cache-dtype bf16 fp8 --no-ref --no-plot \
+    --out "$OUT/$2") 2>&1 | quiet | grep -e "^|" -e rror
+}
+rc=0
+for what in "$@"; do
+  echo "=== $what ($(date +%T))"
+  case $what in
+    tests)
+      # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
+      # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker
+      { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
+        OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} \
+          -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1; } 2>&1 \
+        | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
+      python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;
+    files) python3 -m pytest -q -m "gpu or not gpu" ${TESTS:?set TESTS to the test files} -p no:cacheprovider 2>&1 \
+             | tee "$OUT/files_tests.log" | grep -e passed -e failed -e Error -e FAIL | tail -20 || rc=1 ;;
+    model)
+      { python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --modes graphs \
+          --hf-points 1x4096 --hf-budget-s 300 --prefill-chunk 2048 --out "$OUT/bench_flash.json" || rc=1
+        flash_b1 "$PWD" bench_flash_step || rc=1
+        python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1; } 2>&1 | quiet \
+        | tee "$OUT/bench_model.log" ;;
+    hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
+    aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
+      pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
+      { LD_PRELOAD=$pre python3 benchmarks/bench_model.py --aoti --batches 1 --contexts 4096 --aoti-dir /tmp/dsv4_aoti \
+          --out "$OUT/bench_aoti.json" &&
+        make -s runner RUNNER_PY=python3 &&
+        prompt=$(python3 -c "print(','.join(str(i % 1000) for i in range(4096)))") &&
+        for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" \
+          --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
+    spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
+    ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
+           if [ -n "${FLASHMLA:-}" ]; then
+             (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { rc=1; tail -5 "$OUT/flashmla_build.log"; }
+             python3 benchmarks/bench_flashmla.py --flashmla "$FLASHMLA" --out "$OUT/bench_flashmla.json" || rc=1
+           fi; } 2>&1 | quiet | tee "$OUT/bench_ops.log" | grep -e "^|" -e rror -e FlashMLA ;;
+    ab) base=${BASE:?set BASE to the other tree}
+        for round in $(seq "${ROUNDS:-1}"); do
+          for tree in "$base" "$PWD"; do
+            name=$([ "$tree" = "$PWD" ] && echo head || echo base)
+            echo "--- round $round: $name"
+            flash_b1 "$tree" "ab_flash_${name}_r$round" || rc=1
+            attn_grid "$tree" "ab_ops_${name}_r$round" || rc=1
+          done
+        done 2>&1 | tee "$OUT/ab.log" ;;
+    profile) { python3 tools/profile_step.py --config flash-slice --batch 1 --context 4096 --out "$OUT/profile_flash_4k.json" &&
+               python3 tools/profile_step.py --config flash-slice --batch 1 --context 32768 --out "$OUT/profile_flash_32k.json"; } \
+             2>&1 | quiet | tee "$OUT/profile.log" | grep -v "^ " || rc=1 ;;
+    sweep) python3 tools/sweep_kernels.py --only ${SWEEP:-attention scores topk} --batches 1 64 --out "$OUT/sweep.json" 2>&1 \
+             | quiet | tee "$OUT/sweep.log" | grep -e best -e rror || rc=1 ;;
+    ncu) if [ "${NCU:-triton}" = gluon ]; then
+           ncu --clock-control none -k regex:sparse_attention_gluon --launch-skip 3 --launch-count 1 --set full \
+               --import-source no -f -o "$OUT/ncu" python3 tools/ncu_gluon.py --caches bf16 fp8 > "$OUT/ncu.log" 2>&1 || rc=1
+         else
+           ncu --clock-control none -k 'regex:sparse_attention_kernel|combine_kernel|indexer_scores_kernel|topk_row_kernel' \
+               --launch-skip 4 --launch-count 4 --set full -f -o "$OUT/ncu" python3 tools/ncu_kernels.py > "$OUT/ncu.log" 2>&1 || rc=1
+         fi
+         ncu -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+         ncu -i "$OUT/ncu.ncu-rep" --page source --print-source sass --csv 2>/dev/null | gzip > "$OUT/ncu_sass.csv.gz"
+         python3 tools/ncu_summary.py --top 40 "$OUT/ncu_sass.csv.gz" > "$OUT/ncu_summary.txt" || rc=1
+         grep -e "Duration" -e "Memory Throughput" -e "DRAM Throughput" -e "Compute (SM) Throughput" "$OUT/ncu_details.txt" | head -40 ;;
+    tp) n=$(nvidia-smi -L | wc -l)
+        if [ "$n" -lt 2 ]; then echo "tp needs 2 GPUs, this machine has $n"; rc=1; continue; fi
+        { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
+          NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py \
+            --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
+    *) echo "unknown mode $what (tests|files|model|hf|aoti|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
+  esac
+done
+exit $rc

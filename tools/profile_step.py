@@ -1,0 +1,136 @@
+"""Where a step's time goes: the kernels of the public calls, grouped by name (torch.profiler).
+
+Builds the bench config (benchmarks/bench_model.py; ``--config flash-slice``: the Flash slice) and a ``Generator`` (compile=True, CUDA
+graphs). Plain decode: prefill ``--batch`` prompts of ``--context`` tokens, warm up, then profile
+``--reps`` ``gen.decode(ids)`` calls: kernels per call. With ``--spec k``: a
+``Generator(spec_steps=k)``, and the profiles of ``generate`` at two lengths are subtracted, so
+the prefill's kernels cancel and what is left, divided by the step difference, is one
+speculative step. Prints per step: kernel count, summed kernel time, the step's time
+(benchmarks/timing.py) -- the gap to the kernel sum is launch / host time -- and the top kernels.
+
+    python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3] [--config flash-slice] [--out prof.json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
+
+from benchmarks.bench_model import bench_config  # noqa: E402
+from benchmarks.bench_spec import step_cost  # noqa: E402
+from benchmarks.timing import time_call  # noqa: E402
+from dsv4_ops import Generator  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
+
+
+def kernels(fn) -> dict[str, list[float]]:
+    """``{kernel name: [device us, ...]}`` of one ``fn()`` call (memcpy / memset left out)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name and "Memset" not in ev.name:
+            by_name[ev.name].append(ev.device_time_total)
+    return by_name
+
+
+def table(by_name: dict[str, tuple[float, float]], step_ms: float, label: str, log) -> dict:
+    """``by_name``: ``{name: (launches per step, us per step)}`` -> the printed, JSON-able table."""
+    rows = [dict(name=n, per_step=c, us_per_step=us) for n, (c, us) in by_name.items() if c > 0.01 or us > 0.01]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    tab = dict(step_ms=step_ms, kernels_per_step=sum(r["per_step"] for r in rows),
+               kernel_us_per_step=sum(r["us_per_step"] for r in rows), rows=rows)
+    log(f"{label}: step {step_ms * 1e3:.0f} us, {tab['kernels_per_step']:.0f} kernels, "
+        f"kernel time {tab['kernel_us_per_step']:.0f} us")
+    for r in rows[:40]:
+        log(f"   {r['us_per_step']:8.1f} us  x{r['per_step']:<4.0f} {r['name'][:110]}")
+    return tab
+
+
+def host_profile(fn, reps: int, log, top: int = 25) -> list[dict]:
+    """Where the host spends a public call (cProfile over ``fn()``, ``reps`` calls): the ``top``
+    functions by own time, per call. The call's time minus its kernels' is host work the GPU waits
+    for, since ``decode`` synchronises."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
+        rows.append(dict(where=f"{Path(file).name}:{line}:{name}", calls_per_call=calls / reps,
+                         own_us=own / reps * 1e6, cum_us=cum / reps * 1e6))
+    rows.sort(key=lambda r: -r["own_us"])
+    log(f"host, per call (cProfile, {reps} calls; profiling slows Python down): own us / cumulative us / calls")
+    for r in rows[:top]:
+        log(f"   {r['own_us']:8.1f} {r['cum_us']:9.1f} {r['calls_per_call']:7.1f}  {r['where'][:100]}")
+    return rows[:200]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=10, help="decode calls profiled")
+    ap.add_argument("--spec", type=int, default=0, help="also profile the speculative step with k drafts")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=[8, 40], metavar=("N_SHORT", "N_LONG"))
+    ap.add_argument("--config", choices=CONFIGS, default="bench")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.device, args.smoke, args.layers = "cuda", False, 2
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    _, cfg, model = bench_setup(args, "profile_step.py", bench_config)
+    B, ctx = args.batch, args.context
+    prompts = torch.randint(0, cfg.vocab_size, (B, ctx)).tolist()
+    res = {}
+    gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=True)
+    gen.prefill(prompts)
+    ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
+    t = time_call(lambda: gen.decode(ids), "cuda", warmup=5, iters=50)
+
+    def decode_reps() -> None:
+        for _ in range(args.reps):
+            gen.decode(ids)
+
+    got = kernels(decode_reps)
+    per = {n: (len(v) / args.reps, sum(v) / args.reps) for n, v in got.items()}
+    res["decode"] = table(per, t.ms, f"decode B={B} ctx={ctx}", log)
+    res["decode"]["host"] = host_profile(decode_reps, args.reps, log)
+    del gen
+    if args.spec:
+        n_short, n_long = args.new_tokens
+        gen = Generator(model, max_batch_size=B, max_seq_len=ctx + n_long + 16, spec_steps=args.spec, compile=True)
+        cost = step_cost(gen, prompts, n_short, n_long, "cuda", samples=3)
+        steps = []
+        profiles = []
+        for n in (n_short, n_long):
+            before = gen.stats["decode_steps"]
+            profiles.append(kernels(lambda: gen.generate(prompts, max_new_tokens=n)))
+            steps.append(gen.stats["decode_steps"] - before)
+        d = steps[1] - steps[0]
+        short, long = profiles
+        per = {n: ((len(long.get(n, [])) - len(short.get(n, []))) / d,
+                   (sum(long.get(n, [])) - sum(short.get(n, []))) / d) for n in set(short) | set(long)}
+        res["spec"] = table(per, cost["step_ms"], f"spec k={args.spec} B={B} ctx={ctx} (generate {n_long} - {n_short})",
+                            log)
+        res["spec"]["cost"] = cost
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
