@@ -1,10 +1,8 @@
-"""The Gluon decode-attention prototype (``lowering/gluon/sparse_attention.py``) compiles for
-sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2
-splits, with no GPU: registers without spills, shared memory within the sm_90 opt-in limit,
-and the point of the kernel -- each warpgroup computes its own half of the scores (v0, v3), (v3) the
-next block's rows are waited for under this block's P @ rows, not before it (v0), and (ws, the
-warp-specialised kernel) the rows are gathered by a producer partition that arms mbarriers and one
-warpgroup computes a block's scores whole.
+"""The Gluon bf16 decode attention (``lowering/gluon/sparse_attention.py``) compiles for sm_90 at
+V4-Flash decode shapes (B=64, H=64, D=512, W=128, top-k 512, 8192-entry pool), 1 and 2 splits,
+with no GPU: registers without spills, shared memory within the sm_90 opt-in limit, wgmmas kept
+async, and the point of the kernel -- the rows are gathered by a producer partition that arms
+mbarriers, and one warpgroup computes a block's scores whole.
 
 The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.compile`` from a
 ``GluonASTSource`` specialised the way the JIT would (pointers 16-byte aligned, ints == 1 as
@@ -23,16 +21,7 @@ from compiled_worker import run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, W, K, NC, RING = 64, 64, 512, 128, 512, 8192, 256
-# v0 (the session-12 kernel): 64-row blocks x 2 stages and the 32-row x 4-stage config of the sweep
-CONFIGS = {"split1": dict(num_splits=1, variant="v0"), "split2": dict(num_splits=2, variant="v0"),
-           "split1_n32": dict(num_splits=1, block_n=32, num_stages=4, variant="v0"),
-           "split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v0"),
-           # v3 (v0 with the ring refill issued at the top of an iteration) at v0's configs
-           "v3_split1": dict(num_splits=1, variant="v3"), "v3_split2": dict(num_splits=2, variant="v3"),
-           "v3_split2_n32": dict(num_splits=2, block_n=32, num_stages=4, variant="v3"),
-           # ws (the warp-specialised kernel) at its default 32 x 4, 1 and 2 splits
-           "ws_split1": dict(num_splits=1, variant="ws"), "ws_split2": dict(num_splits=2, variant="ws")}
-WS_CONFIGS = [name for name, cfg in CONFIGS.items() if cfg["variant"] == "ws"]
+CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2)}
 SMEM_LIMIT = 232448
 
 
@@ -65,32 +54,6 @@ def _source(kernel, args, meta, gluon):
     return cls(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
-def _under_wgmma(ptx: str, dot: str, prefix: str) -> list:
-    """Per group of wgmmas of ``dot`` ("score": the smallest N, "pv": the others), the number of
-    PTX instructions starting with ``prefix`` between its commit and the next wgmma wait: the
-    work that runs while that dot is in flight."""
-    shapes = [int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)]
-    if not shapes:
-        return []
-    score_n, counts, group, count = min(shapes), [], None, None
-    for line in ptx.splitlines():
-        line = line.split("//")[0].strip()
-        m = re.match(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", line)
-        if m:
-            group = "score" if int(m.group(1)) == score_n else "pv"
-        elif line.startswith("wgmma.commit_group"):
-            if count is not None:  # a commit before any wait: close the open count there
-                counts.append(count)
-            count = 0 if group == dot else None
-        elif line.startswith("wgmma.wait_group"):
-            if count is not None:
-                counts.append(count)
-            count = None
-        elif count is not None and line.startswith(prefix):
-            count += 1
-    return counts
-
-
 def _resources(compiled) -> dict:
     res = {"shared": compiled.metadata.shared}
     ptx = compiled.asm["ptx"]
@@ -101,9 +64,6 @@ def _resources(compiled) -> dict:
     # masked lanes must zero-fill: cp.async with a src-size operand
     res["cp_async_zfill"] = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10,\s*%r",
                                            ptx))
-    # per group of P @ rows wgmmas: cp.async waits while it is in flight (v3: the next block's
-    # rows are waited for under P @ rows; v0 waits for them before issuing it)
-    res["cp_wait_under_pv"] = _under_wgmma(ptx, "pv", "cp.async.wait_group")
     res["cp_wait"] = len(re.findall(r"cp\.async\.wait_group", ptx))
     res["cp_mbarrier_arrive_noinc"] = len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx))
     res["setmaxnreg"] = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
@@ -166,7 +126,7 @@ def _worker(names):
     from triton.backends.compiler import GPUTarget
 
     sys.path.insert(0, str(ROOT))
-    from lowering.gluon import sparse_attention as ga
+    from dsv4_ops.lowering.gluon import sparse_attention as ga
 
     meta_dev = torch.device("meta")
     bf16 = dict(dtype=torch.bfloat16, device=meta_dev)
@@ -211,22 +171,9 @@ def test_compiles_without_spills(compiled, config):
         assert res["stack"] == 0 and res["local"] in (0, -1), res
 
 
-@pytest.mark.parametrize("config", [name for name in CONFIGS if name not in WS_CONFIGS])
-def test_scores_split_across_warpgroups(compiled, config):
-    """Two wgmma shapes: the scores at N = BLOCK_N / 2 (each warpgroup its own columns; with
-    warps [8, 1] it would be N = BLOCK_N and twice the instructions) and P @ rows at N = 256
-    (each warpgroup its half of the 512 channels)."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
-    assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
-    # per block and warpgroup: D / 16 score steps + BLOCK_N / 16 P @ rows steps, one copy of each
-    assert res["wgmma_count"] == D // 16 + block_n // 16, res
-
-
-@pytest.mark.parametrize("config", WS_CONFIGS)
-def test_ws_scores_in_one_warpgroup(compiled, config):
-    """ws: one warpgroup scores the whole block (N = BLOCK_N, q read once a block), and each warpgroup issues P @ rows
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_scores_in_one_warpgroup(compiled, config):
+    """One warpgroup scores the whole block (N = BLOCK_N, q read once a block), and each warpgroup issues P @ rows
     over its own 256 channels: D / 16 score steps + twice BLOCK_N / 16 P @ rows steps."""
     r = compiled[config]
     assert "error" not in r, r["error"]
@@ -235,30 +182,13 @@ def test_ws_scores_in_one_warpgroup(compiled, config):
     assert res["wgmma_count"] == D // 16 + 2 * (block_n // 16), res
 
 
-@pytest.mark.parametrize("config", [name for name, cfg in CONFIGS.items() if cfg["variant"] != "v0"])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_wgmma_not_serialized(compiled, config):
-    """ptxas keeps the async wgmmas async (no C7512/C7514/C7515: P @ rows stays in flight under the
-    copy wait in v3; ws's 32 score steps stay one group). v0 (session 12's kernel, routed nowhere)
-    is serialized: the C7514-only check this test had until session 24 did not see it."""
+    """ptxas keeps the async wgmmas async (no C7512/C7514/C7515: the score steps stay one group)."""
     res = compiled[config]["resources"]
     if "wgmma_serialized" not in res:
         pytest.skip("no ptxas in this Triton wheel")
     assert res["wgmma_serialized"] is False, res
-
-
-@pytest.mark.parametrize("config", [name for name in CONFIGS if name not in WS_CONFIGS])
-def test_v3_waits_for_the_refill_under_p_at_rows(compiled, config):
-    """v3 issues the ring refill at the top of an iteration and waits for it only once P @ rows
-    is in flight (the copy then runs under the scores, the softmax and P @ rows); v0 waits for it
-    before issuing P @ rows."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    counts = r["resources"]["cp_wait_under_pv"]
-    assert counts, r["resources"]
-    if CONFIGS[config]["variant"] == "v3":
-        assert max(counts) > 0, r["resources"]
-    else:
-        assert max(counts) == 0, r["resources"]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -269,37 +199,32 @@ def test_gather_is_cp_async_with_zero_fill(compiled, config):
     assert res["cp_async"] > 0 and res["cp_async_zfill"] == res["cp_async"], res
 
 
-@pytest.mark.parametrize("config", WS_CONFIGS)
-def test_ws_gathers_in_a_producer_partition(compiled, config):
-    """ws: the copies are published on mbarriers by the producer partition. With ``PUBLISH`` 0 (the
-    default since session 26) each thread's ``cp.async.mbarrier.arrive.noinc`` lands with its copies and no
-    thread waits for them; with 1 the writers publish a block themselves: ``cp.async.wait_group`` for
-    it (one in the loop, one in the drain), a proxy fence, one arrival, no ``.noinc``. The
-    registers are split between the three 4-warp partitions: the producer's ``setmaxnreg`` to
-    ``PRODUCER_REGS``, the helper's to ``HELPER_REGS``, the scorer's (the default partition) to at most
-    the rest (no spills: ``test_compiles_without_spills``)."""
-    from lowering.gluon import sparse_attention_ws as ws
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_gathers_in_a_producer_partition(compiled, config):
+    """The copies are published on mbarriers by the producer partition: each thread's
+    ``cp.async.mbarrier.arrive.noinc`` lands with its copies and no thread waits for them (no
+    ``cp.async.wait_group``). The registers are split between the three 4-warp partitions: the
+    producer's ``setmaxnreg`` to ``PRODUCER_REGS``, the helper's to ``HELPER_REGS``, the scorer's (the
+    default partition) to at most the rest (no spills: ``test_compiles_without_spills``)."""
+    from dsv4_ops.lowering.gluon import sparse_attention as ga
     r = compiled[config]
     assert "error" not in r, r["error"]
-    res = r["resources"]
-    assert r["meta"]["PRODUCER_REGS"] == ws.PRODUCER_REGS and r["meta"]["PRODUCER_WARPS"] == ws.PRODUCER_WARPS
-    assert r["meta"]["PUBLISH"] == ws.PUBLISH
-    if ws.PUBLISH == 1:
-        assert res["cp_mbarrier_arrive_noinc"] == 0 and res["cp_wait"] == 2, res
-    else:
-        assert res["cp_mbarrier_arrive_noinc"] == 1 and res["cp_wait"] == 0, res
+    res, meta = r["resources"], r["meta"]
+    assert (meta["PRODUCER_REGS"], meta["PRODUCER_WARPS"], meta["HELPER_REGS"]) == (
+        ga.PRODUCER_REGS, ga.PRODUCER_WARPS, ga.HELPER_REGS), meta
+    assert res["cp_mbarrier_arrive_noinc"] == 1 and res["cp_wait"] == 0, res
     regs = {int(n) for _, n in res["setmaxnreg"]}  # (kind, regs) pairs, as JSON lists
-    assert ws.PRODUCER_REGS in regs and int(ws.HELPER_REGS) in regs, res
-    scorer = [int(n) for kind, n in res["setmaxnreg"] if kind == "dec" and int(n) > int(ws.HELPER_REGS)]
-    assert r["meta"]["num_warps"] == ws.NUM_WARPS == 4 and len(scorer) == 1, res
-    assert 4 * 32 * (scorer[0] + int(ws.HELPER_REGS)) + ws.PRODUCER_WARPS * 32 * ws.PRODUCER_REGS <= 65536, res
+    assert ga.PRODUCER_REGS in regs and ga.HELPER_REGS in regs, res
+    scorer = [int(n) for kind, n in res["setmaxnreg"] if kind == "dec" and int(n) > ga.HELPER_REGS]
+    assert meta["num_warps"] == ga.NUM_WARPS == 4 and len(scorer) == 1, res
+    assert 4 * 32 * (scorer[0] + ga.HELPER_REGS) + ga.PRODUCER_WARPS * 32 * ga.PRODUCER_REGS <= 65536, res
 
 
-def check_ws_output_stores(r: dict) -> None:
+def check_output_stores(r: dict) -> None:
     """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and stores them a
     row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two partitions, nothing
     narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte pieces of 8 rows) it took
-    ~5 us more a call at 128 programs (session 25). Several splits store the fp32 partials from that layout, 8 bytes
+    several microseconds more a call at 128 programs (BENCHMARKS.md). Several splits store the fp32 partials from that layout, 8 bytes
     a thread (whole sectors; staging them gained nothing). Shared with the FP8 reader's test (same MMA partitions)."""
     assert "error" not in r, r["error"]
     stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
@@ -309,16 +234,14 @@ def check_ws_output_stores(r: dict) -> None:
         assert "st.global.v4.b32" not in stores and stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
 
 
-@pytest.mark.parametrize("config", WS_CONFIGS)
-def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
-    check_ws_output_stores(compiled[config])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stores_its_output_16_bytes_a_thread(compiled, config):
+    check_output_stores(compiled[config])
 
 
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
-    assert compiled["v3_split1"]["launches"] == 1 and compiled["v3_split2"]["launches"] == 2
-    assert compiled["ws_split1"]["launches"] == 1 and compiled["ws_split2"]["launches"] == 2
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """The Gluon FP8-cache decode attention (``lowering/gluon/sparse_attention_fp8.py``) compiles for
 sm_90 at V4-Flash decode shapes (B=64, H=64, D=512, W=128 window entries in one 128-entry page,
 top-k 512 of an 8192-entry pool in 64-entry pages), 1 and 2 splits, FP8 modes 2 (FP8 window and
-pool) and 1 (bf16 window rows, FP8 pool), with no GPU: registers without spills, shared memory
-within the sm_90 opt-in limit, the scores split across the two warpgroups (wgmma N = BLOCK_N / 2,
-one copy of each instruction: computing the scores twice would double the count or show
-N = BLOCK_N), the raw entry bytes gathered by zero-filling cp.async and decoded by the PTX bit
-moves (``prmt``) of ``fp8_codec._e4m3x4_bf16``.
+pool) and 1 (bf16 window rows, FP8 pool), with no GPU: registers without spills beyond the known
+ones, shared memory within the sm_90 opt-in limit and what the kernel allocates, one warpgroup
+scoring a block whole, wgmmas kept async, the decode in its own warps, the raw entry bytes
+gathered by zero-filling cp.async and decoded by the PTX bit moves (``prmt``) of
+``fp8_codec._e4m3x4_bf16``.
 
 Same method as ``test_gluon_cross_compile.py`` (whose small helpers are copied here): the
 launcher runs on ``meta`` tensors, each launch is compiled by ``triton.compile`` from a
@@ -22,41 +22,26 @@ from compiled_worker import run_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_gluon_cross_compile import (  # noqa: E402
-    _register_usage, _source, _wgmma_serialized, check_ws_output_stores, global_stores)
+    _register_usage, _source, _wgmma_serialized, check_output_stores, global_stores)
 
 ROOT = Path(__file__).resolve().parents[1]
 B, H, D, ROPE, W, K, NC, PAGE = 64, 64, 512, 64, 128, 512, 8192, 64
 SMEM_LIMIT = 232448
-# known stack bytes (at most this many). v0's defaults: none. ws: the decoder warps give their registers
-# back (setmaxnreg down to 24) while they wait at the fork, so ptxas parks loop invariants computed before
-# it (W + K, the shared memory base) on the stack: 16 B, reloaded from L1 twice a block (sm_90 SASS,
-# session 22), 24-32 B with the deeper ring and mode 1's window loads; none at 2 splits
-SPILLS = {"split2_n64": 16, "split1_onestore": 8, "ws_split1": 16, "ws_split1_per_block": 16, "ws_split1_s3_e2": 24,
-          "ws_mode1_split1": 32, "ws_split1_swizzled": 16}
-CONFIGS = {
-    # variant v0 (the session-13 reader, decode in the MMA warps)
-    "split1": dict(variant="v0", num_splits=1),  # 32-row blocks x 4 stages, two decoded buffers
-    "split2": dict(variant="v0", num_splits=2),
-    # 64-row blocks x 2 stages, one decoded buffer (a sweep config): at splits 2 it spills 16 B
-    # of stack (checked as such: SPILLS)
-    "split1_n64": dict(variant="v0", num_splits=1, block_n=64, num_stages=2),
-    "split2_n64": dict(variant="v0", num_splits=2, block_n=64, num_stages=2),
-    "mode1_split1": dict(variant="v0", num_splits=1, mode=1),
-    "mode1_split2": dict(variant="v0", num_splits=2, mode=1),
-    # the decode's one-store variant (a sweep option: fewer barriers, a few spilled registers)
-    "split1_onestore": dict(variant="v0", num_splits=1, one_store=1),
-    # variant ws (sparse_attention_fp8_ws.py): decoder warps beside the MMA warps; its default
-    # (32-row blocks, 2 byte blocks, 3 decoded blocks, 16 rows decoded at once in mode 2, a 64-channel
-    # block at a time in mode 1), the per-block decode in mode 2, the deepest rings that fit
-    "ws_split1": dict(num_splits=1, variant="ws"),
-    "ws_split2": dict(num_splits=2, variant="ws"),
-    "ws_mode1_split1": dict(num_splits=1, variant="ws", mode=1),
-    "ws_split1_per_block": dict(num_splits=1, variant="ws", one_store=0),
-    # a deeper byte ring (3 x 3 decoded buffers no longer fit beside session 24's two P buffers: 235,264 B)
-    "ws_split1_s3_e2": dict(num_splits=1, variant="ws", num_stages=3, e_bufs=2),
-    # the byte ring's rows swizzled against the one-store decode's bank conflicts (a measured option)
-    "ws_split1_swizzled": dict(num_splits=1, variant="ws", codes_swizzle=1),
-}
+# known stack bytes (at most this many): the decoder warps give their registers back (setmaxnreg down to 24)
+# while they wait at the fork, so ptxas parks loop invariants computed before it (W + K, the shared memory base)
+# on the stack, reloaded from L1 twice a block (sm_90 SASS); more with mode 1's window loads; none at 2 splits
+SPILLS = {"split1": 16, "mode1_split1": 32}
+CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),  # FP8 mode 2
+           "mode1_split1": dict(num_splits=1, mode=1), "mode1_split2": dict(num_splits=2, mode=1)}
+
+
+def explicit_smem(meta: dict) -> int:
+    """The shared memory the kernel allocates (the compiler may add a little for layout conversions): q, the raw
+    byte ring (a row's codes, rope and scale bytes), the decoded ring, P two deep, the rescale factors and the
+    final row stats handed between the two MMA warpgroups."""
+    n = meta["BLOCK_N"]
+    return (H * D * 2 + meta["NUM_STAGES"] * n * (512 + 128 + meta["SCALE_BYTES"]) + meta["E_STAGES"] * n * D * 2
+            + 2 * H * n * 2 + 4 * H * 4)
 
 
 def _resources(compiled) -> dict:
@@ -75,7 +60,6 @@ def _resources(compiled) -> dict:
         res["cp_async_zfill"] += m.group(3) is not None
     res["prmt"] = len(re.findall(r"prmt\.b32", ptx))
     res["bar_sync"] = len(re.findall(r"bar\.sync|barrier\.sync", ptx))
-    res["setmaxnreg_inc"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)})
     res["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
     res["st_global"] = global_stores(ptx)
     serialized = _wgmma_serialized(ptx)
@@ -108,7 +92,7 @@ def _worker(names):
     from triton.backends.compiler import GPUTarget
 
     sys.path.insert(0, str(ROOT))
-    from lowering.gluon import sparse_attention_fp8 as gf
+    from dsv4_ops.lowering.gluon import sparse_attention_fp8 as gf
 
     target = GPUTarget("cuda", 90, 32)
     results = []
@@ -118,8 +102,7 @@ def _worker(names):
         _, launches = gf.gluon_fp8_launch(*_inputs(mode), **cfg)
         kernel, grid, args, meta = launches[0]
         entry = {"config": name, "meta": dict(meta), "grid": list(grid), "launches": len(launches),
-                 "explicit_smem": gf.fp8_smem_bytes(meta["BLOCK_N"], meta["NUM_STAGES"],
-                                                    meta.get("E_BUFS", meta.get("E_STAGES")), cfg.get("variant", "v0"))}
+                 "explicit_smem": explicit_smem(meta)}
         try:
             compiled = triton.compile(_source(kernel, args, meta, gluon=True), target=target,
                                       options={"num_warps": meta["num_warps"]})
@@ -152,18 +135,6 @@ def test_compiles_without_spills(compiled, config):
         assert res["stack"] <= SPILLS.get(config, 0) and res["local"] in (0, -1), res
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.startswith("ws")])
-def test_scores_split_across_warpgroups(compiled, config):
-    """Two wgmma shapes: the scores at N = BLOCK_N / 2 (each warpgroup its own columns; warps
-    [8, 1] would give N = BLOCK_N, and both warpgroups computing them) and P @ rows at N = 256;
-    one copy of each per block: D / 16 score steps + BLOCK_N / 16 P @ rows steps."""
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
-    assert res["wgmma_n"] == sorted({block_n // 2, D // 2}), res
-    assert res["wgmma_count"] == D // 16 + block_n // 16, res
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_bytes_by_zero_filling_cp_async_decoded_by_bit_moves(compiled, config):
     """The raw entry bytes come by cp.async with a src-size register (masked lanes zero-filled:
@@ -180,9 +151,9 @@ def test_bytes_by_zero_filling_cp_async_decoded_by_bit_moves(compiled, config):
     assert res["prmt"] >= 2 * per_decode, res
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
-def test_ws_scores_in_one_warpgroup(compiled, config):
-    """ws runs the bf16 ws kernel's MMA partitions: one warpgroup scores a block whole (N = BLOCK_N) and each
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_scores_in_one_warpgroup(compiled, config):
+    """The reader runs the bf16 kernel's MMA partitions: one warpgroup scores a block whole (N = BLOCK_N) and each
     issues P @ rows over its 256 channels: D / 16 score steps + twice BLOCK_N / 16 P @ rows steps."""
     r = compiled[config]
     assert "error" not in r, r["error"]
@@ -191,53 +162,49 @@ def test_ws_scores_in_one_warpgroup(compiled, config):
     assert res["wgmma_count"] == D // 16 + 2 * (block_n // 16), res
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "split1_onestore"])
+@pytest.mark.parametrize("config", list(CONFIGS))
 def test_wgmma_not_serialized(compiled, config):
-    """ptxas keeps the wgmmas async (``_wgmma_serialized``: no C7512/C7514/C7515). v0's one-store decode (a sweep
-    option, routed nowhere) is serialized: first seen in session 24, when this check began."""
+    """ptxas keeps the wgmmas async (``_wgmma_serialized``: no C7512/C7514/C7515)."""
     res = compiled[config]["resources"]
     if "wgmma_serialized" not in res:
         pytest.skip("no ptxas in this Triton wheel")
     assert res["wgmma_serialized"] is False, res
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
-def test_ws_decodes_in_its_own_warps(compiled, config):
-    """ws is warp-specialised: three 4-warp partitions, the decoder's registers set to ``DECODER_REGS``, the helper
-    MMA warpgroup's to ``HELPER_REGS`` and the scorer's to more (``setmaxnreg``), within the register file; v0's
-    kernel has no partitions."""
-    from lowering.gluon import sparse_attention_fp8_ws as fp8_ws
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_decodes_in_its_own_warps(compiled, config):
+    """The reader is warp-specialised: three 4-warp partitions, the decoder's registers set to ``DECODER_REGS``, the
+    helper MMA warpgroup's to ``HELPER_REGS`` and the scorer's to more (``setmaxnreg``)."""
+    from dsv4_ops.lowering.gluon import sparse_attention_fp8 as gf
 
     r = compiled[config]
     assert "error" not in r, r["error"]
-    regs = r["resources"]["setmaxnreg"]
-    assert r["meta"]["HELPER_REGS"] == fp8_ws.HELPER_REGS and r["meta"]["Q_REG_COLS"] == fp8_ws.Q_REG_COLS, r["meta"]
-    assert r["meta"]["DIAG_NO_DECODE"] == 0 and r["meta"]["DIAG_NO_COPY"] == 0, r["meta"]  # timing switches: off
-    assert r["meta"]["num_warps"] == 4 and r["meta"]["DECODER_REGS"] in regs and fp8_ws.HELPER_REGS in regs, r
+    regs, meta = r["resources"]["setmaxnreg"], r["meta"]
+    assert (meta["HELPER_REGS"], meta["DECODER_REGS"], meta["DECODER_WARPS"]) == (
+        gf.HELPER_REGS, gf.DECODER_REGS, gf.DECODER_WARPS), meta
+    assert meta["num_warps"] == 4 and gf.DECODER_REGS in regs and gf.HELPER_REGS in regs, r
     scorer = max(regs)
-    assert scorer > fp8_ws.HELPER_REGS, regs
-    assert compiled["split1"]["resources"]["setmaxnreg_inc"] == []
+    assert scorer > gf.HELPER_REGS, regs
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("ws")])
-def test_ws_stores_its_output_16_bytes_a_thread(compiled, config):
-    """The bf16 ws kernel's output store (``check_ws_output_stores``): the FP8 reader runs its MMA partitions."""
-    check_ws_output_stores(compiled[config])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_stores_its_output_16_bytes_a_thread(compiled, config):
+    """The bf16 kernel's output store (``check_output_stores``): the FP8 reader runs its MMA partitions."""
+    check_output_stores(compiled[config])
 
 
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
+    assert compiled["mode1_split1"]["launches"] == 1 and compiled["mode1_split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
     assert compiled["split1"]["meta"]["FP8"] == 2 and compiled["mode1_split1"]["meta"]["FP8"] == 1
-    assert compiled["split1"]["meta"]["E_BUFS"] == 2 and compiled["split1_n64"]["meta"]["E_BUFS"] == 1
 
 
 def test_unsupported_arguments_are_named():
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from lowering.gluon import sparse_attention_fp8 as gf
+    from dsv4_ops.lowering.gluon import sparse_attention_fp8 as gf
 
     q, window, kv_idx, pool, cmp_idx, cmp_len, sink, scale = _inputs(2)
     float_pool = torch.empty(B, NC, D, dtype=torch.bfloat16, device="meta")

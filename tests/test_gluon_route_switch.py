@@ -1,8 +1,8 @@
 """The switch in front of the sm_90 Gluon attention (``dsv4_ops/ops/attention_sm90.py``), on
 any machine: ``disabled()`` (what ``dsv4_ops.export`` traces under) is scoped and restores the
 route even when the export fails, keeps its traces out of the AOTAutograd cache, the
-``DSV4_OPS_GLUON_ATTENTION=0`` environment switch turns the route off, and CPU tensors never take
-it. The route's numerics and its use in compiled graphs: ``tests/ops/test_sparse_attention_sm90.py``
+``DSV4_OPS_GLUON_ATTENTION=0`` environment switch turns the route off, CPU tensors never take
+it, and both Gluon launchers split a call as the Triton kernel would. The route's numerics and its use in compiled graphs: ``tests/ops/test_sparse_attention_sm90.py``
 (GPU)."""
 import os
 import subprocess
@@ -46,9 +46,9 @@ def test_the_environment_switch(value, enabled):
     assert res.stdout.strip().splitlines()[-1] == str(enabled)
 
 
-def _fp8_args(window="fp8", pool="fp8", entry_bytes=584, offset=0, S=1):
+def _fp8_args(window="fp8", pool="fp8", entry_bytes=584, offset=0, S=1, B=2):
     """Meta tensors (shapes, dtypes, strides only) of a decode call over FP8 pages."""
-    H, D, B = 64, 512, 2
+    H, D = 64, 512
     meta = dict(device="meta")
     flat = torch.empty(B * 32 * 64 * entry_bytes + offset, dtype=torch.uint8, **meta)
     pages = flat[offset:].view(B, 32, 64, entry_bytes)
@@ -71,57 +71,20 @@ def test_which_fp8_caches_the_gluon_reader_serves(change, served):
     """What ``applies`` routes FP8 calls on (devices aside): a static function of dtypes, shapes
     and strides; anything the reader cannot take keeps the Triton kernel."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    from lowering.gluon.sparse_attention_fp8 import serves
+    from dsv4_ops.lowering.gluon.sparse_attention_fp8 import serves
     assert serves(*_fp8_args(**change)) is served
 
 
-def test_the_variant_switch_picks_a_known_kernel():
-    """``DSV4_OPS_GLUON_VARIANT`` names the bf16 kernel variant the route launches (for measuring
-    one through the public op); every name it may take is a variant of the Gluon module, with a
-    default config that passes the launcher's own checks."""
+@pytest.mark.parametrize("B", [1, 64, 128])
+@pytest.mark.parametrize("window, pool", [("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")])
+def test_the_gluon_launchers_split_as_the_triton_kernel(B, window, pool):
+    """Both launchers plan the Triton kernel's split count for the call (its rule, on the entries it plans for:
+    window + picks) and merge several splits with ``combine_kernel``; nothing here launches (meta tensors)."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    from lowering.gluon import sparse_attention as ga
-    code = "from dsv4_ops.ops import attention_sm90 as s; print(s.variant)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, sm90.VARIANT_ENV: "v0"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == "v0"
-    assert sm90.variant is None  # unset: the launcher's default, which is one of its variants
-    assert ga.DEFAULT_VARIANT in ga.VARIANTS
-    for name in ga.VARIANTS:
-        cfg = ga.gluon_config(64, 640, variant=name)
-        assert cfg["variant"] == name
-        want = ga.DEFAULT_BLOCKS_WS if name == "ws" else ga.DEFAULT_BLOCKS
-        assert (cfg["BLOCK_N"], cfg["NUM_STAGES"]) == want
-    with pytest.raises(ValueError, match="num_stages must be >= 2"):
-        ga.gluon_config(64, 640, num_stages=1)
-    with pytest.raises(ValueError, match="variant must be one of"):
-        ga.gluon_config(64, 640, variant="v9")
-
-
-def test_the_fp8_variant_switch_picks_a_known_reader():
-    """``DSV4_OPS_GLUON_FP8_VARIANT`` names the FP8 reader the route launches; unset, the
-    launcher's default (ws); every variant's default config fits shared memory, and what the
-    launcher refuses is named."""
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    from lowering.gluon import sparse_attention_fp8 as gf
-    code = "from dsv4_ops.ops import attention_sm90 as s; print(s.fp8_variant)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, sm90.FP8_VARIANT_ENV: "v0"})
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1] == "v0"
-    assert sm90.fp8_variant is None and gf.DEFAULT_VARIANT == "ws"
-    for name, (block_n, stages, bufs) in gf.VARIANTS.items():
-        cfg = gf.gluon_fp8_config(64, 640, variant=name)
-        assert (cfg["variant"], cfg["BLOCK_N"], cfg["NUM_STAGES"]) == (name, block_n, stages)
-        assert gf.fp8_smem_bytes(cfg["BLOCK_N"], cfg["NUM_STAGES"], cfg["E_BUFS"], name) <= gf.SMEM_LIMIT
-    with pytest.raises(ValueError, match="variant must be one of"):
-        gf.gluon_fp8_config(64, 640, variant="v9")
-    with pytest.raises(ValueError, match="variant ws needs e_bufs >= 2"):
-        gf.gluon_fp8_config(64, 640, variant="ws", e_bufs=1)
-    args = _fp8_args()
-    sink = torch.empty(64, device="meta")
-    with pytest.raises(ValueError, match="one_store rows at a time"):
-        gf.gluon_fp8_launch(*args, sink, 0.04, variant="ws", one_store=12)
-    with pytest.raises(ValueError, match=r"needs \d+ B of shared memory"):
-        gf.gluon_fp8_launch(*args, sink, 0.04, variant="ws", num_stages=4, e_bufs=3)
+    from dsv4_ops.lowering.gluon import sparse_attention as ga, sparse_attention_fp8 as gf
+    from dsv4_ops.lowering.triton.sparse_attention import attention_config, combine_kernel
+    launch = ga.gluon_launch if pool == "bf16" else gf.gluon_fp8_launch
+    _, launches = launch(*_fp8_args(window, pool, B=B), torch.empty(64, device="meta"), 0.04)
+    splits = attention_config(B, 1, 64, 512, 128 + 512)["NUM_SPLITS"]
+    assert launches[0][1] == (B, splits) and launches[0][3]["NUM_SPLITS"] == splits
+    assert [k for k, *_ in launches[1:]] == ([combine_kernel] if splits > 1 else [])

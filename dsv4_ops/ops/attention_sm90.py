@@ -3,25 +3,20 @@
 ``dsv4::sparse_attention`` routes here, while it is traced or run, when :func:`applies`: bf16
 decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
 float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
-(``lowering/gluon/sparse_attention_fp8.py``: rows decoded to bf16 in shared memory, since session 21
-by decoder warps beside the MMA warps, variant ``ws``; FP8 window pages from batch ``FP8_MIN_BATCH``
-on and a bf16 window ring over an FP8 pool from ``FP8_FLOAT_WINDOW_MIN_BATCH`` on, where the H200
-measured the reader faster than the Triton FP8 kernel). Everything
-else -- prefill, other widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels
-have each warpgroup score its own half of a row block, which ``tl`` cannot express
-(BENCHMARKS.md, sessions 12 and 13).
+(``lowering/gluon/sparse_attention_fp8.py``): FP8 window pages from batch ``FP8_MIN_BATCH`` on, a
+bf16 window ring over an FP8 pool from ``FP8_FLOAT_WINDOW_MIN_BATCH`` on, where the H200 measured
+the reader faster than the Triton FP8 kernel (BENCHMARKS.md). Everything else -- prefill, other
+widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels warp-specialise the row
+gathers and split the scores and ``P @ rows`` between warpgroups in ways ``tl`` cannot express.
 
 Why a second op: torch's ``wrap_triton`` re-parses a kernel as plain Triton, so a Gluon kernel
 cannot be inlined by Inductor; it runs as an extern call inside a compiled graph, which CUDA
 graphs replay like any launch. AOTInductor cannot call a Python op from its C++ runtime, so
 ``dsv4_ops.export`` traces under :func:`disabled`: packages keep the Triton kernel.
 
-``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off; ``DSV4_OPS_GLUON_VARIANT``
-picks the bf16 kernel's variant (unset: the launcher's ``DEFAULT_VARIANT``, ``ws`` since session 20;
-``v3`` and ``v0`` for measurements), ``DSV4_OPS_GLUON_FP8_VARIANT`` the FP8 reader's (unset: its
-launcher's ``DEFAULT_VARIANT``; ``v0`` or ``ws``). A compiled graph keeps the route it was traced with, and so
-may torch's on-disk compile cache (its key is the graph before the route is taken): use a fresh
-``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
+``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off. A compiled graph keeps the
+route it was traced with, and so may torch's on-disk compile cache (its key is the graph before
+the route is taken): use a fresh ``TORCHINDUCTOR_CACHE_DIR`` when comparing the two settings.
 """
 from __future__ import annotations
 
@@ -36,17 +31,8 @@ from ._backend import route_off
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
-# the bf16 kernel's variant (lowering/gluon/sparse_attention.py VARIANTS); for measuring the others
-# through the public op (benchmarks, GPU tests): an unknown name is a ValueError at the first call
-VARIANT_ENV = "DSV4_OPS_GLUON_VARIANT"
-variant = os.environ.get(VARIANT_ENV, "").strip() or None  # None: the launcher's DEFAULT_VARIANT
-# the FP8 reader's (lowering/gluon/sparse_attention_fp8.py VARIANTS), likewise
-FP8_VARIANT_ENV = "DSV4_OPS_GLUON_FP8_VARIANT"
-fp8_variant = os.environ.get(FP8_VARIANT_ENV, "").strip() or None
-# FP8 caches take the Gluon reader from these batches on (H200, session 21, the ws reader; the
-# model's kv_cache_dtype="fp8" pages its window too): FP8 window pages from batch 1 (CSA 32K B=1
-# 19.2 against the Triton kernel's 20.3 us, a dense prefix 83.8 against 121.1; B=64 44.0 against
-# 57.6), a bf16 window ring from 64 (B=1 23.4 against 22.8; B=64 57.7 against 71.2)
+# FP8 caches take the Gluon reader from these batches on (the model's kv_cache_dtype="fp8" pages its window
+# too): below them the Triton FP8 kernel measured as fast or faster (BENCHMARKS.md)
 FP8_MIN_BATCH = 1
 FP8_FLOAT_WINDOW_MIN_BATCH = 64
 # eager / tracing invocations of the kernel launcher (a CUDA-graph replay runs no Python)
@@ -101,11 +87,9 @@ def sparse_attention_sm90(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _fp8_caches(kv, cmp):
         from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
-        kw = {} if fp8_variant is None else dict(variant=fp8_variant)
-        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out, **kw)
+        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
     from ..lowering.gluon.sparse_attention import sparse_attention_gluon
-    kw = {} if variant is None else dict(variant=variant)
-    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out, **kw)
+    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
 
 
 @sparse_attention_sm90.register_fake

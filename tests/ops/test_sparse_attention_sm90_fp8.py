@@ -69,14 +69,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True, params=["v0", "ws"])
-def variant(request, monkeypatch):
-    """Every test with each FP8 reader routed (``lowering/gluon/sparse_attention_fp8.py`` VARIANTS:
-    v0 decodes in the MMA warps, ws in decoder warps beside them)."""
-    monkeypatch.setattr(sm90, "fp8_variant", request.param)
-    return request.param
-
-
 @pytest.fixture
 def any_batch(monkeypatch):
     """The route from batch 1 on for both FP8 modes (a bf16 window ring's default starts at
@@ -115,16 +107,16 @@ def test_fp8_caches_take_the_gluon_route_and_match_the_reference(case, tol, any_
     assert (out.float() - triton_out.float()).abs().max() <= 1e-2
 
 
-def test_the_fp8_reader_reads_no_shared_memory_it_has_not_written(tol, variant):
+def test_the_fp8_reader_reads_no_shared_memory_it_has_not_written(tol):
     """As the bf16 kernels' test: every SM's shared memory NaN before each launch (stale values
     would otherwise be the previous launch's own), the output still the oracle's."""
-    from lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
+    from dsv4_ops.lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
     from smem_poison import poison_shared_memory
     args = fp8_inputs(B=132, prefix=700)
     want = oracle(*dequantised(args))
     for _ in range(4):
         poison_shared_memory()
-        out = sparse_attention_gluon_fp8(*args, variant=variant)
+        out = sparse_attention_gluon_fp8(*args)
         assert out.isfinite().all(), "the kernel read shared memory it had not written"
         torch.testing.assert_close(out.double(), want, **tol(torch.bfloat16))
 
