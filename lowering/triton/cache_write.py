@@ -1,13 +1,15 @@
 """Triton ring / pool write: ``cache[b, slots[b, s]] = values[b, s]`` for ``slots >= 0``.
 Contract: ``dsv4_ops.reference.cache_write``.
 
-One program per new row ``(b, s)`` and block of ``BLOCK_C`` channels: it reads the slot,
-and copies the row when the slot is in ``[0, N)`` (``-1`` = skip: no memory traffic).
-Slots of one row are distinct (``plan`` guarantees it), so programs never race.
+``cache_write_kernel``, grid ``(B * S, cdiv(C, BLOCK_C))``: one program per new row ``(b, s)``
+and block of ``BLOCK_C`` channels (a whole V4 row, up to 1024 channels): it reads the slot, and
+copies the row when the slot is in ``[0, N)`` (``-1`` = skip: no memory traffic). Slots of one
+row are distinct (``plan`` guarantees it), so programs never race and nothing is atomic.
 
-``fp8_cache_write_kernel`` writes into an FP8 KV cache (``dsv4_ops/reference/fp8_cache.py``):
-one program per new row quantises it on the fly (per 64-value block: amax, ue8m0 scale,
-e4m3 codes; the rope dims as bf16) and stores the entry's data row and its footer scale row.
+``fp8_cache_write_kernel``, grid ``(B * S,)``, writes into an FP8 KV cache
+(``dsv4_ops/reference/fp8_cache.py``): one program per new row quantises it on the fly (per
+64-value block: amax, ue8m0 scale, e4m3 codes; the rope dims as bf16; ``fp8_codec.store_kv_entry``,
+the layout's one writer) and stores the entry's data row and its footer scale row.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Triton compressor emission fused with RMSNorm, RoPE and the pool write.
 Contract: ``dsv4_ops.reference.compress``.
 
-One program per ``(b, e)`` emit slot; ``emit[b, e] = -1`` returns at once. For block
-``i = emit[b, e]`` the program walks the block's slots in chunks of ``BLOCK_M`` rows, all
-``d`` channels at once (``BLOCK_D >= d``):
+Grid ``(B * E,)``: one program per ``(b, e)`` emit slot; ``emit[b, e] = -1`` returns at once.
+Everything after the pooling needs the whole pooled row (the RMSNorm's sum, the rope pairs, the
+FP8 block scales), so one program owns all ``d`` channels (``BLOCK_D >= d``) and the block's
+intermediate never leaves registers. For block ``i = emit[b, e]`` the program walks the
+block's slots in chunks of ``BLOCK_M`` rows:
 
 - slot rows come from ``new_*`` (row ``p - start``) when position ``p >= start``, else from the
   ring (slot ``p % R``), exactly as the reference gathers them; with ``overlap`` (CSA) there

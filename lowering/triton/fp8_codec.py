@@ -23,9 +23,8 @@ def e4m3_hw(backend: str) -> int:
     """The readers' ``E4M3_HW`` constexpr (``e4m3_to``'s decode) for a backend (``"cuda"`` /
     ``"hip"``): ROCm 0, the integer decode (gfx942 has only the fnuz e4m3); the interpreter 1,
     the e4m3 type's convert (it multiplies bf16 as raw bits, so no bf16 arithmetic); CUDA 4, bit
-    moves in PTX, the fastest on the H200 (B=64 x 32K, FP8 attention 58.8 us against 61.7 us
-    with the hardware convert and 62.9 us with the integer decode; indexer scores 38.6 / 43.2 /
-    51.5 us; BENCHMARKS.md, session 11)."""
+    moves in PTX, the fastest of the four decodes on the H200 in both FP8 readers (attention and
+    indexer scores; docs/kernels.md). Modes 2 and 3 are reached only by a config override."""
     if backend == "hip":
         return 0
     return 1 if triton.knobs.runtime.interpret else 4
@@ -187,7 +186,7 @@ def load_kv_entries(data, scales, live, NOPE, D, BLOCK_N: tl.constexpr, BLOCK_D:
     the e4m3 codes as whole rows (``HW``: bytes, which the compiler vectorises; else 32-bit words
     split into bytes in registers); the ue8m0 scales once per 64 channels, broadcast over their
     block; the rope as whole bf16 values, broadcast into its block. Fewer, wider loads keep less
-    in flight (sm_90: no spills at D = 512; the per-channel gathers spilled 880 B).
+    in flight (sm_90: no spills at D = 512, where the per-channel gathers spilled).
 
     ``HW`` (``e4m3_hw``, a target with the e4m3 type): bf16 rows are decoded by ``e4m3_to``
     straight to bf16 and scaled there (the interpreter, ``HW == 1``, scales in fp32: it

@@ -4,15 +4,16 @@ group ``g``. Contract: ``dsv4_ops.reference.gemv``.
 Why a kernel: at batch 1 every dense projection of a decode step (q_a, q_b, kv, the grouped o_a,
 o_b, the indexer's q_b, the compressors, the shared expert, the MTP projections) is a
 matrix-vector product, so its cost is reading the weight once. cuBLAS serves these shapes with
-split-K GEMM tiles padded to 8 rows plus a reduce kernel, and on the H200 the Flash slice's
-non-expert projections ran at ~55% of HBM bandwidth (profile in BENCHMARKS.md, session 6)
-while the same streaming layout in ``moe_gemv`` reached 88-100%.
+split-K GEMM tiles padded to 8 rows plus a reduce kernel, well short of HBM bandwidth, where
+the same streaming layout in ``moe_gemv`` comes close to it (docs/kernels.md).
 
-``gemv_kernel``: program ``(n-block, g)`` streams ``BLOCK_N`` whole weight rows of group ``g``
-(contiguous ``K`` runs, coalesced) and multiplies each ``[BLOCK_N, BLOCK_K]`` tile into every
-token at once, so ``T`` tokens read the weight once. Partial products accumulate in fp32
-registers and are reduced once at the end; the output is rounded to ``y``'s dtype, as a matmul
-in that dtype returns it.
+``gemv_kernel``, grid ``(cdiv(N, BLOCK_N), G)``: program ``(n-block, g)`` streams ``BLOCK_N``
+whole weight rows of group ``g`` (contiguous ``K`` runs, coalesced) and multiplies each
+``[BLOCK_N, BLOCK_K]`` tile into every token at once, so ``T`` tokens read the weight once.
+Partial products accumulate in fp32 registers and are reduced once at the end; the output is
+rounded to ``y``'s dtype, as a matmul in that dtype returns it. ``BLOCK_N`` shrinks until the
+grid gives every SM two programs (:func:`block_rows`), so narrow projections still spread
+their bytes over the GPU.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ __all__ = ["gemv", "gemv_launch", "gemv_kernel", "MAX_TOKENS", "DEFAULT_CONFIG"]
 # at most this many tokens per call: the accumulator holds TOKENS x BLOCK_N x BLOCK_K partials
 MAX_TOKENS = 8
 
-# rows x columns of one weight tile at one token, swept on the H200 (benchmarks/bench_gemv.py
-# --sweep, session 9): 8 x 512, 3 stages, 4 warps was the best of 36 for q_b (1024-wide rows) and
-# o_b (8192-wide); more tokens share the same register budget (BLOCK_K shrinks as TOKENS grows)
+# rows x columns of one weight tile at one token, 3 stages, 4 warps: the fastest of the H200 sweep
+# for q_b (1024-wide rows) and o_b (8192-wide), docs/kernels.md; more tokens share the same
+# register budget (BLOCK_K shrinks as TOKENS grows)
 DEFAULT_CONFIG = dict(rows=8, cols=512, stages=3, warps=4)
 
 

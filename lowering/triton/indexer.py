@@ -1,45 +1,44 @@
-"""Triton lightning indexer: scores + top-k with -1 sentinels.
+"""Triton lightning indexer: scores, then top-k with -1 sentinels.
 Contract: ``dsv4_ops.reference.indexer_scores`` / ``indexer_topk``.
 
-Three kernels (the row one in three modes):
-- ``indexer_scores_kernel``: one program per query token ``(b, s)`` and chunk of ``CHUNK``
-  entries, all heads at once, looping over blocks of ``BLOCK_N`` entries with pipelined key
-  loads: ``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate),
-  ``score = sum_h w[h] * relu(dots[:, h])``; ``-inf`` for ``i >= visible``. Entries past
-  ``visible`` skip the key loads. FP8 keys (``KEYS_FP8``): the program quantises its queries
-  first, each head to e4m3 codes with one power-of-two scale folded into ``w[h]``
-  (``fp8_cache.simulate_queries``); ``FP8_DOT`` (bf16 queries on sm_89+) multiplies the codes
-  of both sides on the FP8 tensor cores, the keys going from global to shared memory untouched;
-  otherwise both sides are decoded exactly and the dot is bf16 / fp32.
-- ``topk_row_kernel`` (rows of up to ``TOPK_ROW`` scores) and ``topk_kernel`` (longer
-  rows, looping over blocks): one program per query row, exact and deterministic, no sort
-  of the row:
-  1. radix select of the k-th largest score: the fp32 scores are mapped to order-preserving
-     uint32 keys (``-0.0`` folded into ``+0.0``, as ``torch.sort`` treats them equal); digit
-     passes of ``tl.histogram`` over the visible prefix narrow the threshold key ``T`` and
-     the number ``r`` of entries equal to ``T`` that still belong to the top-k (the row
-     kernel holds the row in registers, uses ``BITS``-bit digits and stops once the
-     threshold's bin is wholly picked);
-  2. one compaction pass keeps every entry with ``key > T`` and the first ``r`` entries (by
-     index) with ``key == T`` -- exactly the stable sort's choice -- written as indices into
-     the output row (prefix sums give their slots);
-  3. those ``k_eff = min(topk, visible)`` indices are packed with their keys into uint64
-     ``key << 32 | ~index`` and bitonic-sorted descending (``tl.sort``), which orders by
-     score and, among equal scores, by lower index; slots ``>= k_eff`` get -1.
-- split top-k (``topk_row_kernel`` with ``STAGE`` 1 and 2; a long row while the rows alone
-  leave SMs idle, see ``indexer_config``): stage 1, one program per ``SEG``-entry segment of
-  a row, does 1. and 2. over the segment and writes its top-k as entry indices and scores,
-  in index order (no sort), into ``[B, S, P * topk]`` candidate buffers (-1 / ``-inf``
-  fillers); stage 2, one program per row, does 1.-3. over the candidates (the fillers never
-  live), ties by lower candidate position, which is lower entry index, and writes the
-  picked candidates' entry indices. The global top-k is within the segments' top-k, as an
-  entry beaten by fewer than ``topk`` entries of the row is beaten by fewer in its segment.
-- fused top-k (``indexer_scores_kernel`` with ``TOPK_FUSED``, chosen by ``indexer_config`` for
-  long rows once the rows fill the GPU): the split top-k's stage 1 done by the scores kernel,
-  each program over its own chunk (``SEG = CHUNK``): its scores go to a scratch row, are
-  re-read as a register row after a barrier, and its top-k is written as stage-1 candidates;
-  then stage 2 as above. The select and compaction are the ``@triton.jit`` helpers
-  ``_radix_select`` / ``_picked`` shared with ``topk_row_kernel`` (no pointers in or out).
+Scores (``indexer_scores_kernel``, grid ``(B * S, cdiv(N, CHUNK))``): a program scores one query
+token over ``CHUNK`` entries, all heads at once, in blocks of ``BLOCK_N`` pipelined key loads:
+``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate), ``score = sum_h w[h] *
+relu(dots[:, h])``, ``-inf`` past ``visible`` (those keys are never loaded). The pass is bound by
+the keys' bytes, so ``q`` is loaded once per program and ``CHUNK`` sizes the grid to one wave
+(:func:`scores_chunk`). FP8 keys (``KEYS_FP8``): the program first quantises its queries, each
+head to e4m3 with one power-of-two scale folded into ``w[h]`` (``fp8_cache.simulate_queries``;
+exact, as relu and the head sum commute with it); with ``FP8_DOT`` (bf16 queries, sm_89+) the
+codes of both sides meet on the FP8 tensor cores, elsewhere both sides are decoded exactly.
+
+Top-k: one program per query row, exact and deterministic, no sort of the row
+(``topk_row_kernel`` holds a row of up to ``TOPK_ROW`` scores in registers; ``topk_kernel``
+loops over blocks of longer rows):
+  1. radix select of the k-th largest score over order-preserving uint32 keys (``-0.0`` folded
+     into ``+0.0``, as ``torch.sort`` treats them equal): ``tl.histogram`` digit passes over the
+     visible prefix narrow the threshold key ``T`` and the count ``r`` of entries equal to ``T``
+     still picked;
+  2. one compaction pass keeps every entry with ``key > T`` and the first ``r`` (by index) with
+     ``key == T``: the stable sort's choice, so ties go to the lower index as in the reference;
+  3. the ``k_eff = min(topk, visible)`` picks are packed with their keys into uint64
+     ``key << 32 | ~index`` and bitonic-sorted descending (``tl.sort``): by score, then by lower
+     index; slots ``>= k_eff`` get -1.
+Split top-k (``topk_row_kernel`` ``STAGE`` 1 and 2): with fewer rows than SMs (batch-1 decode)
+one program per row leaves the GPU idle and its time grows with the row, so a long row is cut
+into ``SEG``-entry segments, one program each (steps 1-2, picks kept in index order into
+``[B, S, P * topk]`` candidate buffers with -1 / ``-inf`` fillers), and one program per row
+merges the candidates (steps 1-3, ties by candidate position, which is entry order). Exact: an
+entry beaten by fewer than ``topk`` entries of its row is beaten by fewer in its segment.
+Fused top-k (``indexer_scores_kernel`` ``TOPK_FUSED``): once the rows fill the GPU, the scores
+kernel does stage 1 over its own chunk (scores to a scratch row, a barrier, re-read as a
+register row), which saves a launch and a second read of the scores; then stage 2 as above.
+The select and compaction are helpers without pointer arguments (``_radix_select``,
+``_picked``), so torch's mutation analysis sees exactly the buffers each kernel writes.
+
+Where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``), ``dsv4::indexer_topk`` takes it
+after these scores; these top-k kernels serve everything else (ROCm, no nvcc, longer rows,
+AOTInductor packages). Configuration: :func:`indexer_config`; measurements: docs/kernels.md,
+"Indexer and top-k".
 """
 from __future__ import annotations
 
@@ -115,8 +114,8 @@ def indexer_scores_kernel(
             q_scaled = q_f * pow2(254 - q_exp)[None, :]  # |q_scaled| <= 448: no saturation
             w = w * pow2(q_exp)
             if FP8_DOT:  # sm_89+: the hardware's round-to-nearest-even convert (cvt.rn.satfinite.e4m3x2.f32,
-                #          one instruction for two values), the integer encode's codes bit for bit; its
-                #          ~30 integer operations a value cost ~6 us a call at every size (session 17)
+                #          one instruction for two values): the integer encode's codes bit for bit,
+                #          without its ~30 integer operations a value
                 q_t = q_scaled.to(tl.float8e4nv)
             else:
                 q_t = e4m3_to(e4m3_encode(q_scaled).to(tl.uint8), q_t.dtype, E4M3_HW)
@@ -223,8 +222,8 @@ def _radix_select(key, live, k_eff, BITS: tl.constexpr):
     which the ``live`` ones count: ``(prefix, known, k_rem, done)`` -- the threshold's known
     high bits ``key & known == prefix``, ``k_rem`` entries of the threshold bin still among the
     ``k_eff`` picks, and ``done`` when that is the whole bin (the select stopped early). No
-    pointers in or out (see "Prologue inline" in BENCHMARKS.md): shared by ``topk_row_kernel``
-    and the fused stage 1 of ``indexer_scores_kernel``."""
+    pointers in or out (torch's mutation analysis counts a helper's pointer arguments as
+    written): shared by ``topk_row_kernel`` and the fused stage 1 of ``indexer_scores_kernel``."""
     NB: tl.constexpr = 1 << BITS
     bins = tl.arange(0, NB)
     prefix = tl.full([], 0, tl.uint32)
@@ -421,9 +420,8 @@ def topk_row_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-# Segment lengths the split top-k may cut a row into (powers of two): the H200 sweeps over 8192-8258
-# scores (sweep_kernels.py, sessions 10-11) found 2048 best at 1, 8 and 16 rows and 4096 at 64 rows
-# (2048 would not fit one wave), and no split best at 128 rows (nothing fits one wave).
+# Segment lengths the split top-k may cut a row into (powers of two): the H200 sweeps' best segments
+# lie in this range, and no split won once the stage-1 programs exceed one wave (docs/kernels.md).
 TOPK_SEGMENTS = (2048, 4096, 8192, 16384)
 # Rows of at most this many scores (16K context) keep one program: the split was never timed there.
 TOPK_SPLIT_MIN_SCORES = 4096
@@ -451,7 +449,8 @@ def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
 
 
 # The fused top-k's chunks (4 warps): 1024 for rows up to 16K scores, 2048 for longer ones, where
-# rows x scores >= 2^20 and there are at least 64 rows (the H200 sweep, BENCHMARKS.md session 12).
+# rows x scores >= 2^20 and there are at least 64 rows: where the H200 sweep of the whole op found
+# fusing faster (docs/kernels.md).
 TOPK_FUSED_CHUNK_SHORT, TOPK_FUSED_CHUNK_LONG = 1024, 2048
 TOPK_FUSED_LONG_ROW = 16384
 TOPK_FUSED_MIN_ROWS, TOPK_FUSED_MIN_SCORES = 64, 1 << 20
@@ -460,27 +459,25 @@ TOPK_FUSED_MIN_ROWS, TOPK_FUSED_MIN_SCORES = 64, 1 << 20
 def topk_fused_chunk(rows: int, N: int, topk: int, row_limit: int) -> int:
     """The fused top-k's chunk for ``rows`` rows of ``N`` scores (0: not fused).
 
-    Measured on the H200 (``gpu_check.sh sweep-indexer-fused``, top-512, whole ``indexer_topk``):
-    64 rows x 8192 scores unfused 57.0 us, fused 2048 58.6, 1024 66.3 (not fused); 128 x 8192
-    113.6 / 107.9 / **101.5** (1024); 64 x 32768 196.8 / **186.2** (2048) / 200.8; 128 x 32768
-    406.0 / **331.1** (2048) / 346.2. So: at least 64 rows and 2^20 scores in all, chunk 2048 for
-    rows of 16K scores or more, else 1024; each chunk at least ``2 * topk`` (it keeps at most half
-    of what it scores) and the candidates of a row within the row kernel (``row_limit``). Rows of
-    at most ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
+    Where fusing pays is measured, not modelled (the H200 sweep of the whole ``indexer_topk``,
+    docs/kernels.md): at least 64 rows and 2^20 scores in all, chunk 2048 for rows of 16K scores
+    or more, else 1024; each chunk at least ``2 * topk`` (it keeps at most half of what it
+    scores) and the candidates of a row within the row kernel (``row_limit``). Rows of at most
+    ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
     if N <= TOPK_SPLIT_MIN_SCORES or rows < TOPK_FUSED_MIN_ROWS or rows * N < TOPK_FUSED_MIN_SCORES:
         return 0
     chunk = TOPK_FUSED_CHUNK_LONG if N >= TOPK_FUSED_LONG_ROW else TOPK_FUSED_CHUNK_SHORT
     return chunk if 2 * topk <= chunk < N and -(-N // chunk) * topk <= row_limit else 0
 
 
-# Warps of the fused scores program. 8 warps (2048-8192 chunks) gave other indices than the unfused
-# path on the H200 (session 12 sweep; the interpreter and 4 warps agree): not debugged, refused.
+# Warps of the fused scores program: 4 only. 8 warps gave other indices than the unfused path on the
+# H200, where 4 warps and the interpreter agree; not debugged (docs/kernels.md, "Fused top-k").
 FUSED_WARPS = 4
 
 
 def fused_warps(chunk: int) -> int:
-    """Warps of the fused scores program over ``chunk`` entries: 4 (16 entries a thread at 2048;
-    sm_90 cross-compile: 158 registers, no spill)."""
+    """Warps of the fused scores program over ``chunk`` entries: 4 (16 entries a thread at 2048,
+    no spill on sm_90), whatever the chunk."""
     return FUSED_WARPS
 
 
@@ -489,20 +486,16 @@ SCORES_CHUNK_MANY_WAVES = 1024  # bf16 keys past that: many short waves, so the 
 
 
 def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = False, fp8_dot: bool = False) -> int:
-    """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores: the power of two that
-    gives about 2 programs per SM, all in one wave, when that chunk is at most 8192 entries.
-    Three programs of the default config fit an SM at once, so a grid of 3-4 programs per SM
-    leaves a second, mostly idle wave: bf16 keys on the H200 (session 15,
-    ``benchmarks/indexer_diag.py --sweep``): B=128 x 32K 80.3 us at chunk 2048 (512 programs)
-    against 67.6 at 4096 (256); B=64 x 128K 155.8 at 4096 (512) against 131.7 at 8192 (256).
-    Longer work (B=128 x 128K, prefill) takes 1024-entry chunks, many waves: 262.2 us against
-    270.6 at 2048 and 307.2 at 8192. FP8 keys keep the rule it replaced (chunks of at most
-    2048): their scores pass is not bytes-bound, and their sweep put chunk 1024 ahead at three
-    of the four points and behind at B=64 x 128K; not changed until the whole op is timed so.
-    FP8 keys scored by the e4m3 tensor-core dot (``fp8_dot``, session 16: 96 registers a thread,
-    five programs fit an SM) take the power of two that gives about 4 programs per SM, up to 8192
-    entries: the best 4-warp config of the sweep at each of B = 64, 128 x 32K, 128K (29.4, 48.0,
-    85.6, 160.7 us), where the old rule's 2048 took 33.6, 48.1, 90.1, 169.6."""
+    """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores.
+
+    bf16 keys: the power of two that gives about 2 programs per SM, all in one wave, when that
+    chunk is at most ``SCORES_CHUNK_ONE_WAVE_MAX`` entries. Three programs of the default config
+    fit an SM at once, so a grid of 3-4 programs per SM would leave a second, mostly idle wave;
+    past that, ``SCORES_CHUNK_MANY_WAVES``-entry chunks in many short waves. FP8 keys with the
+    decoded dot: about 2 programs per SM in chunks of at most 2048 (their pass is not
+    bytes-bound, and their sweep favoured no one chunk everywhere). FP8 keys on the e4m3
+    tensor-core dot (``fp8_dot``: fewer registers, five programs fit an SM): about 4 programs
+    per SM, up to 8192 entries. Each rule is the best of an H200 sweep (docs/kernels.md)."""
     if keys_fp8 and fp8_dot:
         return min(max(block_n, next_pow2(-(-entries // (4 * sms)))), SCORES_CHUNK_ONE_WAVE_MAX)
     per_program = -(-entries // (2 * sms))
@@ -517,49 +510,35 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
                    backend: str = "cuda", keys_fp8: bool = False, fp8_dot: bool = False) -> dict:
     """Static launch configuration (a pure function of sizes, never of tensor values).
 
-    Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, each
-    program loops over ``CHUNK`` entries with its ``q`` loaded once and the key loads
-    pipelined; ``CHUNK`` is sized so that the grid is about ``2 * sms`` programs in one wave
-    (:func:`scores_chunk`): long chunks amortise the ``q`` load, short ones still fill the GPU
-    for short rows or few tokens.
-    Top-k: one program per row. Rows of at most ``TOPK_ROW`` scores (V4 up to 128K context)
-    take ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps``
-    warps; past 16K scores part of the row lives on the stack, and it is still the faster
-    kernel); longer rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes,
-    ``loop_warps`` warps). The values are the fastest of the H200 sweeps
-    (BENCHMARKS.md, "Kernel design notes").
-    Split top-k (``TOPK_SPLIT`` = the segment ``SEG``, a power of two; 0 = off): one program
-    per row leaves the GPU mostly idle when the rows are fewer than its SMs (batch-1 decode:
-    one row on one SM of 132), and that one program's time grows with the row (its register
-    row, its digit passes). So a row of ``N > SEG`` scores is cut in ``cdiv(N, SEG)`` segments
-    of one program each (stage 1: each segment's top-k), and one program per row merges their
-    ``cdiv(N, SEG) * topk`` candidates (stage 2). Chosen on CUDA by :func:`topk_segment`
-    (one wave of stage-1 programs, the shortest longer stage).
-    Fused top-k (``TOPK_FUSED`` = the chunk, a power of two; 0 = off, the paths above): the
-    split top-k's stage 1 done by the scores kernel itself, each program over its own chunk of
-    ``TOPK_FUSED`` entries (which replaces ``CHUNK``; ``fused_warps`` warps), then stage 2 as
-    above. Once the rows alone give the scores kernel a program per SM, a separate stage 1 costs
-    a launch and a second read of the scores, and one program per row leaves a long select
-    per program (B=64 x 32K on the H200: scores 36.8 us + split top-k 20.0 us). Where it pays
-    is measured, not modelled: :func:`topk_fused_chunk` (at least 64 rows and 2^20 scores; chunk
-    1024, or 2048 for rows of 16K scores or more), 4 warps (:func:`fused_warps`; an override of
-    8 gave other indices on the H200 and is for sweeps only, which check every config's output).
-    ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
+    Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, ``CHUNK``
+    entries per program with ``q`` loaded once and the key loads pipelined; :func:`scores_chunk`
+    sizes the grid to one wave: long chunks amortise the ``q`` load, short ones still fill the
+    GPU for short rows or few tokens.
+    Top-k, one of (the values are the fastest of the H200 sweeps, docs/kernels.md):
+    - one program per row: rows of at most ``TOPK_ROW`` scores (V4 up to 128K context) take
+      ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps`` warps; past
+      16K scores part of the row lives on the stack, and it is still the faster kernel), longer
+      rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes, ``loop_warps`` warps);
+    - the split top-k (``TOPK_SPLIT`` = the segment, a power of two; 0 = off), chosen on CUDA by
+      :func:`topk_segment` for rows too few to fill the GPU;
+    - the fused top-k (``TOPK_FUSED`` = the chunk, which replaces ``CHUNK``; 0 = off), chosen on
+      CUDA by :func:`topk_fused_chunk` for rows that fill it, with ``fused_warps`` warps (an
+      override of 8 gave other indices on the H200 and is for sweeps only, which check every
+      config's output). FP8 keys (``keys_fp8``) never fuse: slower, as their scores pass is
+      not bytes-bound.
     ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; the launch
-    constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ (:func:`scores_chunk`).
+    constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ.
     On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
     scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
-    kernel (H200, session 15: 10.0 us for 64 rows of 8192 scores, where these took 20-23).
-    ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
-    without spills for gfx942/gfx950 at every row length, the row kernel spills SGPRs there
-    at 32K scores, and neither is timed on AMD hardware (nor is the fused path: off there).
+    kernel. ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
+    without spills for gfx942/gfx950 at every row length, where the row kernel spills SGPRs at
+    32K scores; nothing is timed on AMD hardware, and the split and fused paths are off there.
     """
     block_n = 64
     chunk = scores_chunk(B * S * N, sms, block_n, keys_fp8, fp8_dot)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
-    # FP8 keys: the fused path measured slower (B=64 x 128K 205.6 against 187.4 us, B=128 x 32K
-    # 97.5 against 89.9; BENCHMARKS.md session 12): their scores pass is not bytes-bound
+    # FP8 keys never fuse: slower on the H200 (docs/kernels.md), as their scores pass is not bytes-bound
     fused = topk_fused_chunk(B * S, N, topk, topk_row) if backend == "cuda" and not keys_fp8 else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
@@ -694,10 +673,9 @@ def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: t
 
 # The fp32 scores scratch of one launch group, at most. A prefill chunk at large batch and long
 # context scores its query tokens in groups of ``token_group`` so that the scratch stays this
-# size: a pool-sized ``[B, S, N]`` buffer reached 19 GB on the H200 (batch 64, 4.7 M tokens of
-# context, 64-token chunks; BENCHMARKS.md session 8) and cost 10% of the context that fits.
-# 4 GiB keeps every configuration measured so far (decode; 8-token chunks at batch 64 x 6.2 M
-# tokens: 3.2 GB) in one group.
+# size: a pool-sized ``[B, S, N]`` buffer grows with the context and takes memory from the KV
+# pool (docs/kernels.md). 4 GiB keeps every decode step, and every prefill configuration
+# measured, in one group.
 SCORES_BUDGET_BYTES = 4 << 30
 
 

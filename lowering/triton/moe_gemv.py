@@ -6,12 +6,14 @@ cost is weight bandwidth, and the grouped path spends it in ~10 launches (argsor
 gathers, two ``torch._grouped_mm`` that reach about half of HBM bandwidth at 1 row per group,
 the inverse permutation, the weighted sum). Here:
 
-- ``moe_gate_up_kernel``: program ``(a, i-block)`` computes ``BLOCK_I`` gate and up outputs of
-  assignment ``a`` (token ``a // K``, expert ``indices[a]``) — two ``[BLOCK_I, D]`` row strips of
-  ``w13[e]`` against ``x[t]`` — then the clamped SwiGLU, and stores ``h [T*K, I]``.
-- ``moe_down_kernel``: program ``(t, d-block)`` computes ``BLOCK_O`` outputs of token ``t`` for
-  each of its ``K`` experts (strips of ``w2[e]`` against ``h``) and sums them with the router
-  weights, in a fixed order (deterministic; no atomics), into ``out [T, D]`` fp32.
+- ``moe_gate_up_kernel``, grid ``(T * K, cdiv(I, BLOCK_I))``: program ``(a, i-block)`` computes
+  ``BLOCK_I`` gate and up outputs of assignment ``a`` (token ``a // K``, expert ``indices[a]``) —
+  two ``[BLOCK_I, D]`` row strips of ``w13[e]`` against ``x[t]`` — then the clamped SwiGLU, and
+  stores ``h [T*K, I]``.
+- ``moe_down_kernel``, grid ``(T, cdiv(D, BLOCK_O))``: program ``(t, d-block)`` computes
+  ``BLOCK_O`` outputs of token ``t`` for each of its ``K`` experts (strips of ``w2[e]`` against
+  ``h``) and sums them with the router weights, in a fixed order (deterministic; no atomics),
+  into ``out [T, D]`` fp32.
 
 Each program streams whole weight rows (contiguous ``D`` / ``I`` runs), so the loads are
 coalesced and the grid has thousands of programs at batch 1. Weights are read once per
@@ -32,10 +34,8 @@ __all__ = ["moe_gemv", "moe_gemv_launches", "moe_gate_up_kernel", "moe_down_kern
 # the model takes this path while tokens * top_k is at most this (batch 1-8 at V4's top-6)
 MAX_ASSIGNMENTS = 64
 
-# launch configuration (block sizes cap at the problem's widths); benchmarks/bench_moe.py --sweep
-# times 48 alternatives per kernel on the GPU box
-# measures the alternatives on the GPU box: the best at batch 1 on the H200 (session 7), 47.5 us for
-# gate/up (99% of its bytes floor) and 26.1 us for down (90%) over 6 Flash-width experts
+# launch configuration (block sizes cap at the problem's widths): the fastest of the H200 sweep at
+# batch 1 over 6 Flash-width experts (benchmarks/bench_moe.py --sweep; docs/kernels.md)
 DEFAULT_CONFIG = dict(gate_up_rows=4, gate_up_cols=512, gate_up_stages=3, gate_up_warps=4,
                       down_rows=8, down_cols=512, down_stages=3, down_warps=4)
 

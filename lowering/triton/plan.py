@@ -1,14 +1,16 @@
 """Triton ``plan``: every metadata tensor of a step (or of ``steps`` MTP sub-steps) in ONE
 launch. Contract: ``dsv4_ops.reference.plan``.
 
-One program per ``(step, row)`` and block of ``BLOCK_S`` query slots ``j``. From the row's
-``lengths`` / ``n_new`` it derives ``start = lengths + step * n_new``, ``end = start + n_new``,
-then for its slots writes ``positions``, ``win_write``, the ``[BLOCK_S, W]`` tile(s) of
-``win_idx``, and ``*_len`` / ``*_write`` of both rates. Emit slot ``e`` (``e < ceil(S/m) <= S``)
-is written by the program that owns query slot ``j = e``, so all nine outputs come from the
-same launch. Per-slot math in int64 (positions near 2^31 do not overflow); the
+Grid ``(steps * B, cdiv(S, BLOCK_S))``: one program per ``(step, row)`` and block of ``BLOCK_S``
+query slots ``j``. From the row's ``lengths`` / ``n_new`` it derives ``start = lengths + step *
+n_new``, ``end = start + n_new``, then for its slots writes ``positions``, ``win_write``, the
+``[BLOCK_S, W]`` tile(s) of ``win_idx``, and ``*_len`` / ``*_write`` of both rates. Emit slot
+``e`` (``e < ceil(S/m) <= S``) is written by the program that owns query slot ``j = e``, so all
+nine outputs come from the same launch: a step's metadata is a few integers per token, so its
+cost is launches, not bytes. Per-slot math in int64 (positions near 2^31 do not overflow); the
 ``[BLOCK_S, BLOCK_W]`` window tile is int32, relative to ``start`` (``start % R`` folded in
-once): half the registers of an int64 tile. Outputs int32.
+once), which keeps the kernel's registers well below an int64 tile's (docs/kernels.md).
+Outputs int32.
 
 Negative ``lengths`` / ``n_new`` count as 0 (the raw-op contract, shared with the
 reference), so every quantity the reference takes ``%`` or ``//`` of is non-negative wherever
@@ -89,7 +91,8 @@ def plan_kernel(
 
 
 def plan_config(num_tokens: int, window: int) -> dict:
-    """Static block sizes: up to 64 query slots x 128 window entries per tile."""
+    """Static block sizes: up to 64 query slots x 128 window entries per tile, at most 4096
+    entries (a decode step is one slot, so V4's 128-entry window is one tile)."""
     block_s = min(64, next_pow2(max(num_tokens, 1)))
     block_w = min(128, next_pow2(max(window, 1)), max(1, 4096 // block_s))
     return dict(BLOCK_S=block_s, BLOCK_W=block_w, num_warps=4)

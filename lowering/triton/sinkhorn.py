@@ -4,8 +4,8 @@ Contract: ``dsv4_ops.reference.sinkhorn``.
 
 Why a kernel: Inductor lowers the eager loop (alternating row / column sums of a ``[T, N, N]``
 tensor) to one kernel per normalisation, since each sum reads entries other threads produce;
-here one program owns ``BLOCK_T`` whole matrices, so the loop never leaves registers and each
-mHC site is one launch (measured effect: BENCHMARKS.md, "Kernel design notes").
+here one program owns ``BLOCK_T`` whole matrices (grid ``(cdiv(T, BLOCK_T),)``), so the loop
+never leaves registers and each mHC site is one launch (measured effect: docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ def sinkhorn_kernel(comb_ptr, out_ptr, T, N, iters, eps,
 def sinkhorn_config(T: int, N: int) -> dict:
     """Matrices per program and warps (a pure function of sizes).
 
-    One warp per program: the 39 row / column sums of a matrix then reduce with shuffles inside
-    the warp, never through shared memory and a block-wide barrier; with 4 warps and 64 matrices
-    per program a batch-1 decode step's single matrix took 6.7 us (H200), one warp of a lane
-    per entry a fraction of that. Few matrices (decode): one entry per lane, so the matrices
-    spread over as many programs as possible; many (prefill): 4 entries per lane, fewer programs.
+    One warp per program: the row / column sums of a matrix (39 at V4's 20 iterations) then
+    reduce with shuffles inside the warp, never through shared memory and a block-wide barrier,
+    which a 4-warp program needs (the H200 sweep: docs/kernels.md). Few matrices (decode): one
+    entry per lane, so the matrices spread over as many programs as possible; many (prefill): 4
+    entries per lane, fewer programs.
     """
     lanes = 32 if T * N * N <= 32 * 4096 else 128
     return dict(BLOCK_T=max(1, lanes // (next_pow2(N) ** 2)), num_warps=1)

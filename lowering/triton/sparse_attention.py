@@ -2,35 +2,36 @@
 entry set (window rows ∪ indexer-picked compressed entries ∪ a dense compressed prefix),
 one fp32 softmax with the per-head sink. Contract: ``dsv4_ops.reference.sparse_attention``.
 
-Design (H200 decode first):
-- One program = one query token ``(b, s)`` x one block of ``BLOCK_H`` heads (all 64 heads
-  of V4-Flash when ``BLOCK_H = 64``), so every gathered entry row is read from HBM once per
-  token and used by all heads of the block: ``scores = q[BLOCK_H, D] @ rows[BLOCK_N, D]^T``,
-  ``acc += p @ rows`` on tensor cores, online softmax (running max ``m``, sum ``l``) in fp32
-  with ``exp2``.
-- The entry list is virtual: positions ``[0, W)`` are ``kv_idx`` (window rows of ``kv``),
-  ``[W, W+K)`` are ``cmp_idx`` (rows of ``cmp``), ``[W+K, W+K+cmp_len)`` the dense prefix of
-  ``cmp``. A block may straddle segments: each lane picks its row pointer by segment, -1
-  entries are masked (no memory traffic). The loop stops at the query's own
-  ``W + K + min(cmp_len, Nc)`` (read on the device), not at the static capacity.
-- The sink is folded in exactly once, at the end, with the same max:
+How it is parallelised (grid ``(B * S, cdiv(H, BLOCK_H), NUM_SPLITS)``):
+- One program = one query token ``(b, s)`` x one block of ``BLOCK_H`` heads (all 64 heads of
+  V4-Flash at ``BLOCK_H = 64``). Decode is bound by the bytes of the gathered rows, so each
+  row is read from HBM once per token and used by every head of the block:
+  ``scores = q[BLOCK_H, D] @ rows[BLOCK_N, D]^T`` and ``acc += p @ rows`` on tensor cores,
+  online softmax (running max ``m``, sum ``l``) in fp32 with ``exp2``.
+- The entry list is virtual: ``[0, W)`` are ``kv_idx`` (window rows of ``kv``), ``[W, W+K)``
+  ``cmp_idx`` (rows of ``cmp``), ``[W+K, W+K+cmp_len)`` the dense prefix of ``cmp``. A block
+  may straddle segments: each lane picks its row pointer by segment, and -1 entries are masked
+  (no memory traffic). The loop stops at the query's own ``W + K + min(cmp_len, Nc)`` (read on
+  the device), not at the static capacity.
+- The sink is folded in once, at the end, with the same max:
   ``out = acc * 2^(m - M) / (l * 2^(m - M) + 2^(sink - M))``, ``M = max(m, sink)``. A query
-  with no entries gets ``0 / 1 = 0`` like the reference.
-- Split-KV (``num_splits > 1``, chosen from static sizes only): a third grid dimension cuts
-  the query's valid entry range into ``num_splits`` contiguous chunks (multiples of
-  ``BLOCK_N``); each writes its partial ``(m, l, acc)`` to an fp32 workspace and
-  ``combine_kernel`` merges them (sink added once there). Same single-softmax result.
+  with no entries gets ``0 / 1 = 0``, as in the reference.
+- Split-KV (``NUM_SPLITS > 1``, chosen from static sizes only): one program fills an SM, so
+  when the tokens and head blocks alone leave SMs idle, the third grid dimension cuts the
+  query's valid entries into contiguous chunks (multiples of ``BLOCK_N``). Each writes its fp32
+  partials ``(m, l, acc)`` and ``combine_kernel`` merges them, adding the sink once: the same
+  single softmax.
+- FP8 caches (``dsv4_ops/reference/fp8_cache.py``; ``FP8`` 1: the compressed pool, 2: the
+  window source too): rows are gathered as bytes from their pages (codes, footer scales, bf16
+  rope) and decoded in registers before the dots (``fp8_codec``). The byte loads are inline in
+  the kernel body (no pointer passed to a helper), so torch's mutation analysis never takes the
+  read-only caches for written ones.
 
-- FP8 caches (``dsv4_ops/reference/fp8_cache.py``, ``FP8`` constexpr: 1 = the compressed pool,
-  2 = the window source too): rows are gathered as bytes from their pages (data row + footer
-  scales) and dequantised in registers (e4m3 codes x ue8m0 scale, bf16 rope) before the dots.
-  The byte loads are inline in the kernel body (no pointer passed to a helper), so torch's
-  mutation analysis never takes the read-only caches for written ones.
-
-The decode kernel is short of its roofline because Triton 3.6 gives a dot that feeds another
-dot a layout with all warps on M, so both warpgroups compute the same scores; what would fix
-it (warp specialisation) is not expressible in ``tl`` for pointer gathers. Measurements,
-profile and the alternatives tried: BENCHMARKS.md, "Kernel design notes".
+Backends: ROCm (wave64, no wgmma) takes smaller tiles and one stage (:func:`attention_config`);
+the interpreter multiplies through fp32 (``_dot``). Why it stays short of its bytes floor: Triton gives a dot that feeds another dot a layout with
+all warps on M, so both warpgroups compute the same scores; splitting them needs warp
+specialisation, which ``tl`` cannot express for pointer gathers (``lowering/gluon/`` can).
+Measurements and the alternatives tried: docs/kernels.md, "Sparse attention".
 """
 from __future__ import annotations
 
@@ -269,8 +270,8 @@ def combine_kernel(
 # --------------------------------------------------------------------------------------
 # launch configuration: a pure function of static sizes (never of tensor values)
 # --------------------------------------------------------------------------------------
-_MIN_ENTRIES_PER_SPLIT = 64  # 2 blocks of 32
-_MAX_SPLITS = 16
+_MIN_ENTRIES_PER_SPLIT = 64  # 2 blocks of 32: every split loops over at least two row blocks
+_MAX_SPLITS = 16  # the range the H200 split sweeps covered (docs/kernels.md)
 # shared memory one program may use: sm_90 (H100/H200) opt-in maximum; gfx942 LDS (gfx950 has more)
 SMEM_LIMIT = {"cuda": 232448, "hip": 65536}
 
@@ -282,9 +283,9 @@ def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: int = 0) -> int:
     ``fp8`` is the kernel's ``FP8`` mode (1: an FP8 pool with float window rows, 2: FP8 window
     and pool). An FP8 row block stages its codes, rope and scales, 1.25 bytes a row element,
     and mode 1 the float window rows too; the decoded block is one more row block of the dot
-    dtype. The sm_90 compiles at D = 512 (bf16 / fp32, modes 1 / 2, 2-4 stages) ask 16-82 KB
-    less; the H200's JIT asked 240 KB of the session-8 kernel at bf16, mode 1, 4 stages
-    (estimate 304 KB)."""
+    dtype. An upper bound on purpose: the JIT once asked for more shared memory than a
+    cross-compile of the same kernel reported (docs/kernels.md), and every sm_90 config of the
+    cross-compile tests fits within this estimate."""
     q = elem_bytes * cfg["BLOCK_H"] * cfg["BLOCK_D"]
     block = cfg["BLOCK_N"] * cfg["BLOCK_D"]
     if fp8:
@@ -303,17 +304,17 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
     ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows
     (the queries' for an FP8 cache, ``fp8`` 1 or 2, whose rows are decoded to it).
 
-    D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages: wgmma,
-    no spills, ~197 KB shared, so one program per SM (the fastest of the H200 sweep);
-    gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the largest tile that
-    compiles without VGPR/SGPR spills. 4-byte dtypes (fp32) take half the heads per program,
-    since their IEEE dots run on FMA units with the operands in registers, and as many stages
-    as fit in ``SMEM_LIMIT`` by :func:`attention_smem_bytes` (sm_90: 2). FP8 caches (``fp8``:
-    the kernel's ``FP8`` mode, 1 or 2) on CUDA take 3 stages where they fit (the H200 sweep at
-    B=64 x 32K, CSA: 58.2 us at 32 x 3, 59.0 at 32 x 4, 61.9 at 32 x 2). ``BLOCK_N=64`` x 2
-    stages measured faster (51.2 us; B=128: 81.7 against 98.1 us) but is not the default: the
-    float cache's 32-row blocks then round differently in bf16, and the FP8-vs-simulated-FP8
-    model test at V4 widths measured 0.0248 against its 0.02 bound (BENCHMARKS.md, session 11).
+    D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages (3 row
+    blocks in flight): wgmma, no spills, ~197 KB of shared memory, so one program per SM; the
+    fastest of the H200 sweep. gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the
+    largest tile that compiles without VGPR/SGPR spills (not timed on AMD hardware). 4-byte
+    dtypes (fp32) take half the heads per program, since their IEEE dots run on FMA units with
+    the operands in registers, and as many stages as fit in ``SMEM_LIMIT`` by
+    :func:`attention_smem_bytes` (sm_90: 2). FP8 caches (``fp8``: the kernel's ``FP8`` mode, 1
+    or 2) on CUDA take 3 stages where they fit, the fastest 32-row config of the H200 sweep.
+    64-row blocks were faster but are not the default: the float cache's 32-row blocks then
+    round the bf16 probabilities differently, and the FP8 model test at V4 widths exceeds its
+    bound (docs/kernels.md, "FP8 caches").
 
     Split-KV: since one program fills an SM, the programs should make one full wave:
     the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms``, with at most
@@ -327,7 +328,7 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
         block_n = 16 if hip else 32
         num_warps = 8 if (not hip and block_h * block_d >= 32 * 512) else 4
         num_stages = 1 if hip else 4
-        if fp8 and not hip:  # FP8 rows stage fewer bytes: 3 stages (the H200 sweep: 3 beat 2, 4 no better)
+        if fp8 and not hip:  # FP8 rows stage fewer bytes: 3 stages, the fastest of the H200 sweep
             num_stages = 3
     else:
         block_h = min(max(16, next_pow2(H)), 64)
