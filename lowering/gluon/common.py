@@ -13,8 +13,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..triton._launch import sm_count
-from ..triton.sparse_attention import _LOG2E, attention_config, combine_kernel
+from ..triton.launch import sm_count
+from ..triton.sparse_attention import LOG2E, attention_config, combine_kernel
 
 __all__ = ["BLOCK_H", "HEAD_DIM", "COMBINE_TILE", "COMBINE_WARPS", "load_entry_index", "pick_entry_index",
            "valid_entries", "split_range", "epilogue", "check_decode", "decode_launches", "combine_launch", "run"]
@@ -146,7 +146,7 @@ def decode_launches(name, kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len, si
         part_acc = torch.empty((B, splits, H, D), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, float(scale) * _LOG2E,
+    args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, float(scale) * LOG2E,
             n_kv if W else 0, n_cmp, W, K,
             q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), kv_idx.stride(0), kv_idx.stride(2),
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),

@@ -12,7 +12,7 @@
   readers and writers above.
 
 Each module has ``*_launch`` / ``*_launches`` functions that return the outputs and the
-:class:`~._launch.Launch` (grid, arguments, constexprs: pure functions of static shapes) of
+:class:`~.launch.Launch` (grid, arguments, constexprs: pure functions of static shapes) of
 each kernel; the ``triton_op`` bodies in ``dsv4_ops/ops`` launch those through
 ``wrap_triton(<kernel>)``. Every raw launcher (``sparse_attention``, ``indexer_topk``, ...)
 has the reference op's signature plus ``out=`` where the op returns tensors, and launches

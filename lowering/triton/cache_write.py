@@ -20,7 +20,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import store_kv_entry
-from ._launch import Launch, launch, next_pow2
+from .launch import Launch, launch, next_pow2
 
 __all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch",
            "fp8_cache_write_kernel", "fp8_cache_write_launch"]

@@ -31,7 +31,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import e4m3_encode, pow2, scale_exponent, store_kv_entry
-from ._launch import Launch, launch, next_pow2
+from .launch import Launch, launch, next_pow2
 
 __all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, launch, next_pow2, sm_count
+from .launch import Launch, launch, next_pow2, sm_count
 
 __all__ = ["gemv", "gemv_launch", "gemv_kernel", "MAX_TOKENS", "DEFAULT_CONFIG"]
 

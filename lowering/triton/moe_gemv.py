@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, launch, next_pow2
+from .launch import Launch, launch, next_pow2
 
 __all__ = ["moe_gemv", "moe_gemv_launches", "moe_gate_up_kernel", "moe_down_kernel", "MAX_ASSIGNMENTS"]
 

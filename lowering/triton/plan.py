@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, launch, next_pow2
+from .launch import Launch, launch, next_pow2
 
 __all__ = ["plan", "plan_kernel", "plan_config", "plan_launch"]
 

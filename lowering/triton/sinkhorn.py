@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launch, launch, next_pow2
+from .launch import Launch, launch, next_pow2
 
 __all__ = ["sinkhorn", "sinkhorn_kernel", "sinkhorn_launch", "sinkhorn_config"]
 

@@ -44,12 +44,12 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2, word_aligned
-from ._launch import Launch, backend, launch, next_pow2, sm_count
+from .launch import Launch, backend, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
            "sparse_attention_kernel", "combine_kernel", "AttentionLaunches"]
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
 
@@ -425,7 +425,7 @@ def attention_launches(
     attention = Launch(
         (B * S, -(-H // cfg["BLOCK_H"]), splits),
         (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
-         float(scale) * _LOG2E,
+         float(scale) * LOG2E,
          S, H, N_KV, N_CMP, W, K,
          *q.stride(), *_row_strides(kv), *kv_idx.stride(), *_row_strides(cmp), *cmp_idx.stride(),
          *cmp_len.stride(), *out.stride()),

@@ -110,6 +110,7 @@ STALE_SMEM_CASES = {
 }
 
 
+@pytest.mark.smem_poison
 def test_poisoned_shared_memory_is_what_the_next_kernel_finds():
     """The premise of the test below: shared memory survives from one kernel to the next, so a
     kernel launched after the poison finds NaN where it has not written. Up to 20 tries, one of
@@ -122,6 +123,7 @@ def test_poisoned_shared_memory_is_what_the_next_kernel_finds():
     assert seen[-1] > 0.99, f"no try found the poison: {seen}"
 
 
+@pytest.mark.smem_poison
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("case", list(STALE_SMEM_CASES))
 def test_the_kernel_reads_no_shared_memory_it_has_not_written(case, splits, tol):
