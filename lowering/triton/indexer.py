@@ -547,7 +547,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
     ``TOPK_FUSED=0`` gives the paths above. FP8 keys (``keys_fp8``) never fuse: measured slower.
     ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; the launch
     constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ (:func:`scores_chunk`).
-    On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
+    On NVIDIA GPUs where dsv4_ops' native library is loaded (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
     scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
     kernel (H200, session 15: 10.0 us for 64 rows of 8192 scores, where these took 20-23).
     ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
