@@ -10,9 +10,13 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# the native library dsv4_ops._C (setup.py builds it where torch has CUDA and nvcc is found): a change of
+# its sources reinstalls, and the in-place build recompiles what changed
+NATIVE_SOURCES := $(wildcard csrc/kernels/*.cu csrc/kernels/*.cpp csrc/kernels/*.h)
+
 # If the machine already has a torch (the GPU box), reuse it through --system-site-packages;
 # otherwise install the CPU wheel torch==2.13.0 (a plain `torch` would pull a multi-GB CUDA build).
-$(STAMP): requirements.txt setup.py
+$(STAMP): requirements.txt setup.py $(NATIVE_SOURCES)
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	    echo "[setup] reusing the machine's torch: $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -40,7 +44,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info dsv4_ops/_C*.so dsv4_ops/_C.build-error
 
 # C++ runner for exported .pt2 packages (csrc/runner): build/dsv4_run, against the libtorch of
 # the venv's torch (set up first), or of RUNNER_PY's torch when given (`make runner RUNNER_PY=python3`

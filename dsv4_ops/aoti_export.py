@@ -24,7 +24,11 @@ window ring, compressor-input rings and pools, flattened in the order ``dsv4.cac
 
 The exported graphs mutate whole input tensors (never views), so Inductor writes the pool in
 place: no cache copies (``tests/export`` pins the decode graph's op list). On CUDA the Triton
-kernels of the ops are compiled into the package; no Python is needed to run it.
+kernels of the ops are compiled into the package; no Python is needed to run it. The indexer's
+CUDA top-k (``dsv4::topk_rows_cuda``, a C++ op of dsv4_ops' native library) stays a call, which
+AOTInductor's proxy executor makes: a process that loads such a package must have loaded the
+library first (``AOTIGenerator`` does by importing dsv4_ops, ``build/dsv4_run`` by ``--library``
+or next to itself; ``dsv4_ops/_native.py``).
 """
 from __future__ import annotations
 
@@ -38,7 +42,6 @@ from torch import Tensor, nn
 from .model.attention import AttentionState
 from .model.kv_cache_dtype import check_kv_cache_dtype
 from .ops import attention_sm90 as sm90
-from .ops import topk_cuda
 from .ops.validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
@@ -182,11 +185,11 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
             files = {}
             for i, (name, (module, args)) in enumerate(programs.items()):
                 os.makedirs(os.path.join(work, name))
-                # AOTInductor's C++ runtime cannot call the Gluon attention or the CUDA top-k (Python
-                # ops): Triton only
+                # AOTInductor's C++ runtime cannot call the Gluon attention (a Python op): Triton
+                # only. The CUDA top-k is a C++ op, which the package calls (see above).
                 with Progress(f"export {i + 1}/{len(programs)}: {name} program (torch.export + AOTInductor)",
                               estimate_s=estimate, stream=None if verbose else io.StringIO()), \
-                        sm90.disabled(), topk_cuda.disabled():
+                        sm90.disabled():
                     ep = exported_program(module, args)
                     files[name] = torch._inductor.aot_compile(
                         ep.module(), ep.example_inputs[0], ep.example_inputs[1],

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from . import _native
 from .aoti_export import FORMAT, PROGRAMS, SPEC_PROGRAMS, parse_cache_spec
 from .generation_loop import GenerationLoop, PreparedBatch
 from .speculative import start_drafts
@@ -26,6 +27,15 @@ __all__ = ["AOTIGenerator"]
 
 _REQUIRED = ("dsv4.format", "dsv4.max_batch_size", "dsv4.max_seq_len", "dsv4.prefill_chunk", "dsv4.vocab_size",
              "dsv4.spec_steps", "dsv4.device", "dsv4.cache")
+
+
+def _native_hint(message: str) -> str:
+    """What to add to a load error that names a ``dsv4::`` op: the package calls an op of dsv4_ops'
+    native library (the CUDA top-k), which this process has not loaded."""
+    if "dsv4::" not in message or _native.library_path() is not None:
+        return ""
+    return (f"; the package calls a C++ op of dsv4_ops' native library, which is not loaded: "
+            f"{_native.unavailable_reason()}")
 
 
 def _zeros(spec: str, device) -> list[Tensor]:
@@ -109,7 +119,7 @@ class AOTIGenerator(GenerationLoop):
         except Exception as e:  # noqa: BLE001  (the loader raises RuntimeError or c10 errors)
             first = str(e).splitlines()[0] if str(e) else ""
             raise ValueError(f"AOTIGenerator: cannot load {path!r} as an AOTInductor package with a 'decode' "
-                             f"program ({type(e).__name__}: {first})") from None
+                             f"program ({type(e).__name__}: {first}{_native_hint(str(e))})") from None
         missing = [k for k in _REQUIRED if k not in meta]
         if missing:
             raise ValueError(f"AOTIGenerator: {path!r} is not a dsv4_ops package (metadata lacks {missing}); "
@@ -126,7 +136,8 @@ class AOTIGenerator(GenerationLoop):
         try:
             return load_package(self.path, name, run_single_threaded=self.cuda_graphs, device_index=index)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"AOTIGenerator: {self.path!r} has no loadable {name!r} program ({e})") from None
+            raise ValueError(f"AOTIGenerator: {self.path!r} has no loadable {name!r} program "
+                             f"({e}{_native_hint(str(e))})") from None
 
     # ------------------------------------------------------------------ running programs
     def _inputs(self, name: str, *step_inputs: Tensor) -> tuple:

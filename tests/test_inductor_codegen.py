@@ -1,9 +1,9 @@
 """GPU box: under torch.compile every dsv4 op lowers to OUR Triton kernels inside Inductor's
 generated code (triton_op + wrap_triton), with no "assuming every input is mutated" fallback, and
 the compiled step matches eager and the CPU reference. The one opaque ``torch.ops.dsv4`` extern
-call allowed is the CUDA top-k (``dsv4::topk_rows_cuda``, CUDA C++ that Inductor cannot inline:
-``dsv4_ops/ops/topk_cuda.py``), and only where it applies; with that route off (as AOTInductor
-exports trace) the graph holds Triton kernels alone. (CPU keeps the reference path; that is
+call allowed is the CUDA top-k (``dsv4::topk_rows_cuda``, a C++ op that Inductor cannot inline:
+``dsv4_ops/ops/topk_cuda.py``), and only where it applies; with that route off
+(``topk_cuda.disabled()``) the graph holds Triton kernels alone. (CPU keeps the reference path; that is
 tests/test_compile_ops.py.)"""
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def test_compiled_step_calls_our_triton_kernels_and_matches_eager(cuda_topk):
 
     dev = torch.device("cuda")
     if cuda_topk and not topk_cuda.applies((B, S, N), dev, TOPK):
-        pytest.skip("the CUDA top-k does not build here (no nvcc?): only the Triton top-k runs")
+        pytest.skip(f"the CUDA top-k does not apply here ({topk_cuda.unavailable_reason()}): only the Triton "
+                    "top-k runs")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.reset()
     route = contextlib.nullcontext if cuda_topk else topk_cuda.disabled  # (a fresh context for each case)

@@ -202,8 +202,7 @@ OP_KERNELS = {
     "dsv4::sparse_attention": ["combine_kernel", "sparse_attention_kernel"],
     # an opaque custom_op (its Gluon kernel cannot be wrap_triton'd): Inductor calls it, never inlines
     "dsv4::sparse_attention_sm90": [],
-    # the CUDA top-k (csrc/kernels): an opaque custom_op, not Triton
-    "dsv4::topk_rows_cuda": [],
+    # (the CUDA top-k, dsv4::topk_rows_cuda, is a C++ op of the native library: no Python body)
 }
 
 

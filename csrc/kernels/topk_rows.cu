@@ -6,47 +6,46 @@
 // ties to the lower index, then -1. Scores compare as the order-preserving uint32 key of
 // _ordered_key (-0.0 == +0.0).
 //
-// Why CUDA: the Triton kernel's radix select spends ~1.9 us a 5-bit pass on the H200 (seven
-// passes: 13 of its 20 us at 64 rows x 8192; benchmarks/topk_diag.py, BENCHMARKS.md session 14),
-// because tl.histogram has no shared-memory atomics. Here a pass is a 256-bin histogram a warp in
-// shared memory (no contention between warps), over only the entries at or above a floor that the
-// k-th best key cannot be under (most of a random row is below it).
+// Why CUDA: a radix select wants a histogram per pass, and Triton's tl.histogram has no
+// shared-memory atomics. Here a pass is a 256-bin histogram a warp in shared memory (no contention
+// between warps), over only the entries at or above a floor that the k-th best key cannot be under
+// (most of a random row is below it).
 //
 // Steps: (1) the row into registers, ITEMS consecutive entries a thread (thread t: entries
 // [t * ITEMS, (t + 1) * ITEMS); loaded without waiting for the row's visible length, whose later
-// stages skip the entries past it), and a floor under the k-th best; rows of more than 8192 scores
-// (topk_rows_list_kernel) arrive by bulk copies through shared memory and then put the candidates
-// (entries at or above the floor) in a shared list;
+// stages skip the entries past it), and a floor under the k-th best; rows of more than 16 scores a
+// thread (topk_rows_list_kernel) arrive by bulk copies through shared memory and then put the
+// candidates (entries at or above the floor) in a shared list;
 // (2) select: the threshold key, narrowed 8 bits at a time from the candidates' own key range (radix
 // digits of the offset from the least candidate), stopping early when the threshold's bin is taken
 // whole; (3) compaction: when the threshold's bin was taken whole, every candidate at or above it is a
 // pick, slots claimed a warp at a time in no order; else (the bin is one key) one block prefix sum of
 // two counts: the entries above the threshold, then the first k_rem equal to it by index; (4) the
 // picks packed as key << 32 | ~index (descending: score, then lower index first) ordered by buckets of
-// their keys (up to 1024 picks, no bucket of more than 64), else by a bitonic sort in registers,
+// their keys (up to two picks a thread, no crowded bucket), else by a bitonic sort in registers,
 // shuffles and shared memory; (5) the indices out, -1 past the picks.
 //
-// A CTA a row, each stage one pass: the kernel is a chain of latencies, in which barriers and
-// branches show. Session 28 (H200, benchmarks/topk_ab.py, 64 rows x 8192 scores; Nsight Compute found
-// a select pass ~1.5 us, branches around its atomics): 10.1 -> 8.5 us, of which branch-free histogram
-// atomics 0.5, the compaction's slots in no order 0.2, the bucket sort 0.7, the row's loads not
-// waiting for its length 0.1.
+// A CTA a row, each stage one pass over the block: the kernel is a chain of latencies, in which
+// barriers and branches show, so every stage keeps its barriers few and its inner loops free of
+// branches (the histogram atomics, the compaction's slots).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <atomic>
 
+#include "topk_rows.h"
+
+namespace dsv4 {
 namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBins = 256;            // 8-bit digits: at most four passes fix a 32-bit key
-constexpr int kMaxTopk = 2048;        // picks sorted in shared memory
-constexpr int kCandidates = 8192;     // the shared candidate list (random rows of 32768: ~3000)
-constexpr int kDiagNoList = 16;       // diagnostics (stop_after): every row reads its candidates from the row
-constexpr int kDiagNoBulk = 32;       // diagnostics: the list kernel loads its row by plain loads
-constexpr int kDiagBitonic = 64;      // diagnostics: every row's picks ordered by the bitonic sort
+constexpr int kMaxTopk = kTopkRowsMaxTopk;  // picks sorted in shared memory
+constexpr int kMaxItems = 64;         // scores a thread: rows of up to kMaxItems * kThreads
+constexpr int kCandidates = 8192;     // the shared candidate list (a random row's candidates fit it many times)
 constexpr int kBucketMax = 64;        // the bucket sort's largest bucket; past it, the bitonic sort
+static_assert(kMaxItems * kThreads == kTopkRowsMaxEntries, "the header's limit is the kernel's row");
 
 // A pick as one number: larger is better (a higher key, then a lower index), and no two are equal.
 __device__ __forceinline__ unsigned long long pack_pick(uint32_t key, int index) {
@@ -102,8 +101,8 @@ __device__ __forceinline__ int claim_slots(int n, int* counter) {
 }
 
 // The sort: kpad picks over the block's threads, E a thread (pick i = e * kThreads + tid; slots past
-// k_eff sort last as 0). (Sorting with 4 warps of several consecutive picks each, so that fewer steps
-// cross warps, measured slower on the H200: 4.9 against 2.2 us for 512 picks; session 15.)
+// k_eff sort last as 0). Every thread takes part in every step, so that each exchange is a shuffle
+// within a warp, or one store and load of shared memory between warps.
 template <int E>
 __device__ __forceinline__ void sort_and_store(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff,
                                                int topk) {
@@ -327,8 +326,8 @@ __device__ __forceinline__ void clear_histograms(int* hist) {
 // fit the scratch). The picks' keys lie in [lo, hi_key]: 256 buckets of 2^shift keys, counted from the
 // top; one histogram of the picks, one scan of the buckets, each pick copied into its bucket's segment
 // (in no order), then each pick's place is its segment's start + the picks of its segment better than
-// it. Four barriers, where the bitonic sort of 512 picks takes 45 dependent steps and 20 barriers
-// (64 rows x 8192 scores, H200, session 28: the kernel 8.4 us, 9.1 with the bitonic sort). Returns false,
+// it. Four barriers, where the bitonic sort of kThreads picks takes dozens of dependent steps and
+// barriers. Returns false,
 // having written nothing, when a bucket holds more than kBucketMax picks (many equal or crowded
 // scores): the caller then sorts by the bitonic sort. count[] (kBins) is zero on entry: the caller
 // clears it before a barrier; start[] (kBins) and most[] (kBins / 32) are scratch; seg holds 2 *
@@ -391,33 +390,33 @@ __device__ __noinline__ bool bucket_sort_and_store(const unsigned long long* pic
   return true;
 }
 
-// diagnostics (stop_after 5): which sort ran, 1 the buckets, 0 the bitonic sort, in out_row[0] (out is
-// then wrong)
-__device__ __forceinline__ void report_sort(int stage, bool bucketed, int* out_row) {
-  if (stage != 5) return;
-  __syncthreads();  // every pick written
-  if (threadIdx.x == 0) out_row[0] = bucketed;
+// The bitonic sort as a call, for the register kernel: inlined there, it made the 4- and 8-a-thread
+// kernels spill.
+__device__ __noinline__ void sort_picks_call(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff,
+                                             int topk, int kpad) {
+  sort_picks(picks, out_row, so_k, k_eff, topk, kpad);
 }
 
 // (4) + (5): the bucket sort where it serves (kpad <= 2 * kThreads, no bucket past kBucketMax), else
-// the bitonic sort; true when the buckets served (the diagnostics report it). `sort` holds the bucket
-// sort's scratch (count[] zero on entry).
+// the bitonic sort (kSortCall: by sort_picks_call). `sort` holds the bucket sort's scratch (count[]
+// zero on entry).
 struct SortScratch {
   int count[kBins], start[kBins], most[kBins / 32];
 };
-__device__ __forceinline__ bool order_picks(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff, int topk,
-                                            int kpad, uint32_t lo, uint32_t hi_key, bool buckets, SortScratch& sort,
+template <bool kSortCall>
+__device__ __forceinline__ void order_picks(unsigned long long* picks, int* out_row, int64_t so_k, int k_eff, int topk,
+                                            int kpad, uint32_t lo, uint32_t hi_key, SortScratch& sort,
                                             int* warp_sums) {
-  if (buckets && k_eff > 0 && kpad <= 2 * kThreads) {
+  if (k_eff > 0 && kpad <= 2 * kThreads) {
     unsigned long long* seg = picks + 2 * kThreads;
     if (kpad <= kThreads ? bucket_sort_and_store<1>(picks, seg, sort.count, sort.start, sort.most, k_eff, topk, lo,
                                                     hi_key, out_row, so_k, warp_sums)
                          : bucket_sort_and_store<2>(picks, seg, sort.count, sort.start, sort.most, k_eff, topk, lo,
                                                     hi_key, out_row, so_k, warp_sums))
-      return true;
+      return;
   }
-  sort_picks(picks, out_row, so_k, k_eff, topk, kpad);
-  return false;
+  if constexpr (kSortCall) sort_picks_call(picks, out_row, so_k, k_eff, topk, kpad);
+  else sort_picks(picks, out_row, so_k, k_eff, topk, kpad);
 }
 
 // Rows of at most 16 scores a thread (8192: V4 at 32K context): the candidates stay in registers.
@@ -426,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
     const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
     const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
     int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
-    int S, int N, int topk, int kpad, int stop_after) {
+    int S, int N, int topk, int kpad) {
   // the select's histograms (one a warp), then the picks: the same bytes
   __shared__ __align__(16) unsigned char scratch[kMaxTopk * sizeof(unsigned long long)];
   static_assert(kWarps * kBins * sizeof(int) <= sizeof(scratch), "the histograms fit the picks' bytes");
@@ -437,16 +436,11 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   __shared__ Published pub;
   __shared__ int sink[kThreads];  // where a thread's histogram count goes when its entry is not counted
   __shared__ SortScratch sort;
-  const int stage = stop_after & 15;
 
   const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
   const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
   uint32_t key[ITEMS];
   load_row(task.row, first, N, key);
-  if (stage == 1) {  // diagnostics (dsv4_topk_rows_diag): the row loaded, nothing else
-    if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
-    return;
-  }
   uint32_t floor_key, lo_key, hi_key;
   if (threadIdx.x == 0) pub.claimed = 0;
   if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
@@ -458,11 +452,9 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   int k_rem = k_eff;
   bool done = k_eff == 0;
   int* my_hist = hist + (threadIdx.x >> 5) * kBins;  // this warp's own histogram: no contention between warps
-  int passes = 0;  // reported by the diagnostics
 #pragma unroll 1
   while (span != 0 && !done) {
     const int shift = pass_shift(span);
-    ++passes;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const uint32_t off = key[i] - lo;  // keys below lo wrap past span
@@ -478,10 +470,6 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   // the picks: every candidate above lo + span, and k_rem of those in [lo, lo + span] (all of them
   // when done; else the interval is one key, and ties go to the lower index)
   const uint32_t hi = lo + span;
-  if (stage == 2) {  // diagnostics: loaded and selected; how many passes the select took
-    if (threadIdx.x == 0) task.out_row[0] = passes;
-    return;
-  }
 
   // (3) compaction: every candidate (live, >= floor) above hi, then the first k_rem by index in
   // [lo, hi] (all of them when done: then slots in any order, claim_slots). Else one scan counts both
@@ -523,27 +511,21 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
     }
   }
   __syncthreads();
-  if (stage == 3) {  // diagnostics: loaded, selected, compacted
-    if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
-    return;
-  }
   // (4) + (5): sort the picks and write them out
-  const bool bucketed = order_picks(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key,
-                                    !(stop_after & kDiagBitonic), sort, warp_sums);
-  report_sort(stage, bucketed, task.out_row);
+  order_picks</*kSortCall=*/true>(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key, sort, warp_sums);
 }
 
-// Rows of more than 16 scores a thread (up to 32768: V4 at 128K context). With 64 registers of the
-// row a thread, every select pass and the compaction walked all of them for the ~3000 candidates of a
-// random row (11 of the kernel's 25 us at 32768 scores, H200, session 15), and the registers spilled.
-// So the candidates go to a shared list in index order (up to kCandidates), which the passes and the
-// compaction read, a few entries a thread; a row with more candidates (rising scores, where thread 0's
-// maximum is the floor) reads them from the row again (in L2: the scores pass wrote it just before).
-// Either way the row's registers die after the list.
+// Rows of more than 16 scores a thread (up to kTopkRowsMaxEntries: V4 at 128K context). Were the
+// candidates kept in the row's registers, every select pass and the compaction would walk all of a
+// thread's entries for the few that are candidates, and that many registers live through the select
+// would spill. So the candidates go to a shared list in index order (up to kCandidates), which the
+// passes and the compaction read, a few entries a thread; a row with more candidates (rising scores,
+// where thread 0's maximum is the floor) reads them from the row again (in L2: the scores pass wrote
+// it just before). Either way the row's registers die after the list.
 // The row arrives by bulk asynchronous copies (sm_90), one a thread into its own slice of shared memory
 // (ITEMS floats + 16 B of padding, so that the threads' float4 reads of their slices hit distinct
-// banks), then into registers: a CTA's plain loads keep only ~32 KB in flight (6.2 us for a row of
-// 32768 scores, H200, session 17). Rows not 16-byte aligned take plain loads.
+// banks), then into registers: a CTA's plain loads keep too few bytes in flight to cover a long row's
+// memory latency. Rows not 16-byte aligned take plain loads.
 template <int ITEMS>
 struct ListSmem {
   static constexpr size_t kScratch = kMaxTopk * sizeof(unsigned long long);  // histograms, then the picks
@@ -555,16 +537,14 @@ struct ListSmem {
   static_assert(ITEMS * kThreads <= 65536, "a list index fits 16 bits");
 };
 
-// (2) select over for_each(f), which calls f(key) on this thread's candidates; returns the passes.
+// (2) select over for_each(f), which calls f(key) on this thread's candidates.
 template <class ForEach>
-__device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_t& lo, uint32_t& span, int& k_rem,
-                                                bool& done, int* hist, int* sink, int* warp_sums, Published& pub) {
+__device__ __forceinline__ void select_threshold(const ForEach& for_each, uint32_t& lo, uint32_t& span, int& k_rem,
+                                                 bool& done, int* hist, int* sink, int* warp_sums, Published& pub) {
   int* my_hist = hist + (threadIdx.x >> 5) * kBins;
-  int passes = 0;
 #pragma unroll 1
   while (span != 0 && !done) {
     const int shift = pass_shift(span);
-    ++passes;
     const uint32_t lo_now = lo, span_now = span;
     for_each([&](uint32_t key, int) {
       const uint32_t off = key - lo_now;  // keys below lo wrap past span
@@ -573,7 +553,6 @@ __device__ __forceinline__ int select_threshold(const ForEach& for_each, uint32_
     __syncthreads();  // (a) the histograms are complete
     take_threshold_bin(shift, lo, span, k_rem, done, hist, warp_sums, pub);
   }
-  return passes;
 }
 
 // (3) compaction over for_each(f), which calls f(key, index) on this thread's candidates in index
@@ -665,7 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
     const float* __restrict__ scores, int64_t ss_b, int64_t ss_s,
     const int* __restrict__ visible, int64_t sv_b, int64_t sv_s,
     int* __restrict__ out, int64_t so_b, int64_t so_s, int64_t so_k,
-    int S, int N, int topk, int kpad, int stop_after) {
+    int S, int N, int topk, int kpad) {
   using Layout = ListSmem<ITEMS>;
   extern __shared__ __align__(128) unsigned char smem[];
   int* hist = reinterpret_cast<int*>(smem);
@@ -682,9 +661,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
 
   const RowTask task(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, S, N, topk);
   const int vis = task.vis, k_eff = task.k_eff, first = threadIdx.x * ITEMS;
-  const int stage = stop_after & 15;
-  const bool staged = DSV4_BULK_COPY && (reinterpret_cast<uintptr_t>(task.row) & 15) == 0 && N % 4 == 0 &&
-                      !(stop_after & kDiagNoBulk);
+  const bool staged = DSV4_BULK_COPY && (reinterpret_cast<uintptr_t>(task.row) & 15) == 0 && N % 4 == 0;
   uint32_t floor_key, lo_key, hi_key;
   int n_list, list_before;
   bool listed;
@@ -692,10 +669,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
     uint32_t key[ITEMS];
     if (staged) load_row_staged(task.row, first, vis, slice, &bar, key);
     else load_row(task.row, first, vis, key);
-    if (stage == 1) {  // diagnostics: the row loaded, nothing else
-      if (threadIdx.x == 0) task.out_row[0] = int(key[0]);
-      return;
-    }
     if (threadIdx.x == 0) pub.claimed = 0;
     if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
     clear_histograms(hist);  // (find_floor's barrier publishes the three)
@@ -704,7 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) n_mine += first + i < vis && key[i] >= floor_key;
     list_before = block_exclusive_scan(n_mine, warp_sums, &n_list);
-    listed = n_list <= kCandidates && !(stop_after & kDiagNoList);
+    listed = n_list <= kCandidates;
     if (listed) {
       int slot = list_before;
 #pragma unroll
@@ -718,10 +691,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
       __syncthreads();
     }
   }
-  if (stage == 4) {  // diagnostics: loaded, the floor, the list written; the candidates' count
-    if (threadIdx.x == 0) task.out_row[0] = n_list;
-    return;
-  }
   // this thread's share of the list: a contiguous range, so that threads in order visit it in order
   const int per_thread = (n_list + kThreads - 1) / kThreads;
   const int list_lo = min(int(threadIdx.x) * per_thread, n_list), list_hi = min(list_lo + per_thread, n_list);
@@ -729,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
     for (int c = list_lo; c < list_hi; ++c) f(list_key[c], int(list_index[c]));
   };
   const auto in_row = [&](auto&& f) {
-#pragma unroll 4  // 8 spilled 48 B
+#pragma unroll 4  // (unrolled further, the row loop spills)
     for (int i = 0; i < ITEMS; ++i) {
       if (first + i < vis) {
         const uint32_t k = ordered_key(__ldg(task.row + first + i));
@@ -741,32 +710,22 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
   uint32_t lo = lo_key, span = hi_key - lo_key;
   int k_rem = k_eff;
   bool done = k_eff == 0;
-  const int passes = listed ? select_threshold(in_list, lo, span, k_rem, done, hist, sink, warp_sums, pub)
-                            : select_threshold(in_row, lo, span, k_rem, done, hist, sink, warp_sums, pub);
+  if (listed) select_threshold(in_list, lo, span, k_rem, done, hist, sink, warp_sums, pub);
+  else select_threshold(in_row, lo, span, k_rem, done, hist, sink, warp_sums, pub);
   const uint32_t hi = lo + span;
-  if (stage == 2) {  // diagnostics: loaded and selected; the select's passes, + 256 off the list
-    if (threadIdx.x == 0) task.out_row[0] = passes + (listed ? 0 : 256);
-    return;
-  }
   // (rows off the list keep the ordered compaction: a second unordered one, inlined, made this kernel spill)
   if (listed) compact_picks(in_list, lo, hi, k_rem, done && k_eff > 0, picks, warp_sums, &pub.claimed);
   else compact_picks(in_row, lo, hi, k_rem, false, picks, warp_sums, &pub.claimed);
-  if (stage == 3) {  // diagnostics: loaded, selected, compacted
-    if (threadIdx.x == 0) task.out_row[0] = int(picks[0]);
-    return;
-  }
-  const bool bucketed = order_picks(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key,
-                                    !(stop_after & kDiagBitonic), sort, warp_sums);
-  report_sort(stage, bucketed, task.out_row);
+  order_picks</*kSortCall=*/false>(picks, task.out_row, so_k, k_eff, topk, kpad, lo, hi_key, sort, warp_sums);
 }
 
 template <int ITEMS>
 cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
-                   int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
-                   int topk, int kpad, int stop_after, cudaStream_t stream) {
+                   int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int rows, int S, int N,
+                   int topk, int kpad, cudaStream_t stream) {
   if constexpr (ITEMS <= 16) {
-    topk_rows_kernel<ITEMS><<<B * S, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
-                                                            so_k, S, N, topk, kpad, stop_after);
+    topk_rows_kernel<ITEMS><<<rows, kThreads, 0, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s,
+                                                           so_k, S, N, topk, kpad);
   } else {
     // the list's shared memory is past the 48 KB a launch gets by default: opt in, once a device (eager
     // calls come before any CUDA-graph capture)
@@ -781,50 +740,32 @@ cudaError_t launch(const float* scores, int64_t ss_b, int64_t ss_s, const int* v
       if (err != cudaSuccess) return err;
       opted.fetch_or(bit);
     }
-    topk_rows_list_kernel<ITEMS><<<B * S, kThreads, bytes, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out,
-                                                                     so_b, so_s, so_k, S, N, topk, kpad, stop_after);
+    topk_rows_list_kernel<ITEMS><<<rows, kThreads, bytes, stream>>>(scores, ss_b, ss_s, visible, sv_b, sv_s, out,
+                                                                    so_b, so_s, so_k, S, N, topk, kpad);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
 
-extern "C" {
-
-// Rows of at most this many scores (64 a thread).
-int dsv4_topk_rows_max_n() { return 64 * kThreads; }
-int dsv4_topk_rows_max_topk() { return kMaxTopk; }
-
-// 0 on success, else a cudaError_t (or -1: arguments outside what the kernel serves).
-// stop_after (diagnostics; 0 = the whole kernel): 1 after the load, 4 after the floor and the
-// candidate list (rows of more than 8192 scores), 2 after the select, 3 after the compaction -- for
-// timing the stages by difference; out is then wrong. + 16 (kDiagNoList): no row takes the list;
-// + 32 (kDiagNoBulk): the list kernel loads its row by plain loads, not bulk copies; + 64 (kDiagBitonic):
-// the bitonic sort orders every row's picks. stop_after 5: the whole kernel, then out[b, s, 0] says
-// which sort ran (1 the bucket sort, 0 the bitonic).
-int dsv4_topk_rows_diag(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
-                        int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N,
-                        int topk, void* stream, int stop_after) {
-  if (B <= 0 || S <= 0 || topk <= 0) return 0;
-  if (N < 1 || N > 64 * kThreads || topk > kMaxTopk) return -1;
+cudaError_t topk_rows(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b,
+                      int64_t sv_s, int* out, int64_t so_b, int64_t so_s, int64_t so_k, int64_t B, int64_t S,
+                      int N, int topk, cudaStream_t stream) {
+  if (B <= 0 || S <= 0) return cudaSuccess;
+  if (N < 1 || N > kTopkRowsMaxEntries || topk < 1 || topk > kMaxTopk) return cudaErrorInvalidValue;
+  if (B * S > int64_t(0x7FFFFFFF)) return cudaErrorInvalidValue;  // one CTA a row, one grid
+  const int rows = int(B * S);
   int kpad = kThreads;  // the sort's size: a power of two, at least one pick a thread
   while (kpad < topk) kpad <<= 1;
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int per_thread = (N + kThreads - 1) / kThreads;
-#define DSV4_LAUNCH(I) launch<I>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, kpad, \
-                                 stop_after, st)
+#define DSV4_LAUNCH(I) launch<I>(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, rows, int(S), N, topk, \
+                                 kpad, stream)
   if (per_thread <= 4) return DSV4_LAUNCH(4);
   if (per_thread <= 8) return DSV4_LAUNCH(8);
   if (per_thread <= 16) return DSV4_LAUNCH(16);
   if (per_thread <= 32) return DSV4_LAUNCH(32);
-  return DSV4_LAUNCH(64);
+  return DSV4_LAUNCH(kMaxItems);
 #undef DSV4_LAUNCH
 }
 
-int dsv4_topk_rows(const float* scores, int64_t ss_b, int64_t ss_s, const int* visible, int64_t sv_b, int64_t sv_s,
-                   int* out, int64_t so_b, int64_t so_s, int64_t so_k, int B, int S, int N, int topk,
-                   void* stream) {
-  return dsv4_topk_rows_diag(scores, ss_b, ss_s, visible, sv_b, sv_s, out, so_b, so_s, so_k, B, S, N, topk, stream, 0);
-}
-
-}  // extern "C"
+}  // namespace dsv4

@@ -1,7 +1,11 @@
 // dsv4_run: prefill + greedy decode of a DeepSeek-V4 AOTInductor package (.pt2).
 //
 // The package holds two AOTI models, "prefill" and "decode", whose metadata
-// carries the dsv4.* keys (see csrc/runner/README.md for the interface).
+// carries the dsv4.* keys (see csrc/runner/README.md for the interface). A CUDA
+// package calls the indexer's CUDA top-k, dsv4::topk_rows_cuda, a C++ op of
+// dsv4_ops' native library (dsv4_ops/_C*.so) that AOTInductor's proxy executor
+// finds in the dispatcher: the runner dlopens that library before it loads the
+// package (--library, $DSV4_OPS_LIBRARY, or the checkout's beside the runner).
 // Only API present in both torch 2.11 and 2.13 is used:
 //   AOTIModelPackageLoader(path, model_name, run_single_threaded, num_runners, device_index)
 //   loader.run(inputs, stream_handle), loader.get_metadata()
@@ -27,6 +31,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -37,7 +42,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include <dirent.h>
+#include <dlfcn.h>
+#include <limits.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace {
 
@@ -55,7 +64,7 @@ struct RunError : std::runtime_error {
 
 const char* kHelp =
     "usage: dsv4_run MODEL.pt2 --prompt IDS [--prompt IDS ...] [--max-new-tokens N]\n"
-    "                [--quiet] [--no-cuda-graph]\n"
+    "                [--quiet] [--no-cuda-graph] [--library PATH ...]\n"
     "\n"
     "Loads the \"prefill\" and \"decode\" AOTInductor models of a dsv4 package, prefills\n"
     "every prompt as one batch and decodes greedily.\n"
@@ -68,6 +77,11 @@ const char* kHelp =
     "  --quiet              no timing/progress on stderr\n"
     "  --no-cuda-graph      CUDA packages: run every decode step eagerly instead of\n"
     "                       replaying a captured CUDA graph\n"
+    "  --library PATH       dlopen PATH before loading the package (repeatable): dsv4_ops'\n"
+    "                       native library, whose C++ ops (the CUDA top-k) CUDA packages\n"
+    "                       call; its path: python -c \"import dsv4_ops._native as n;\n"
+    "                       print(n.library_path())\". Default: $DSV4_OPS_LIBRARY, else\n"
+    "                       (CUDA runner) ../dsv4_ops/_C*.so beside this executable\n"
     "  -h, --help           this text\n"
     "\n"
     "stdout: one line per prompt, in prompt order: the N new token ids, comma-separated.\n"
@@ -84,6 +98,7 @@ struct Options {
   int64_t max_new_tokens = 32;
   bool quiet = false;
   bool cuda_graph = true;
+  std::vector<std::string> libraries;  // --library, in order
 };
 
 int64_t parse_int(const std::string& s, const std::string& what) {
@@ -147,6 +162,10 @@ bool parse_args(int argc, char** argv, Options& o) {
     } else if (a == "--no-cuda-graph") {
       no_value(a);
       o.cuda_graph = false;
+    } else if (a == "--library") {
+      std::string path = need_value(a);
+      if (path.empty()) usage_error("--library: empty path");
+      o.libraries.push_back(path);
     } else if (a.size() > 1 && a[0] == '-') {
       usage_error("unknown option '" + a + "' (see --help)");
     } else {
@@ -250,6 +269,98 @@ PackageInfo read_info(const std::unordered_map<std::string, std::string>& m, con
   return p;
 }
 
+// ---- dsv4_ops' native library -------------------------------------------------
+
+// What load_native did: the libraries it loaded, else why none (for the error when a package
+// calls an op that no loaded library registered).
+struct NativeStatus {
+  std::vector<std::string> loaded;
+  std::string none_because;
+};
+
+// dlopen, never closed: the ops a library registers live as long as the process.
+bool open_library(const std::string& path, std::string& error) {
+  if (::dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) return true;
+  const char* e = ::dlerror();
+  error = e != nullptr ? e : "dlopen failed";
+  return false;
+}
+
+// The checkout's library beside this runner (build/dsv4_run -> dsv4_ops/_C*.so, what
+// `pip install -e .` builds), or "" when there is none.
+std::string library_beside_runner() {
+  char exe[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0) return "";
+  exe[n] = '\0';
+  const std::string self(exe);
+  const size_t slash = self.rfind('/');
+  if (slash == std::string::npos) return "";
+  const std::string dir = self.substr(0, slash) + "/../dsv4_ops";
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return "";
+  std::vector<std::string> names;  // _C.abi3.so, _C.cpython-3XY-....so, _C.so
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind("_C.", 0) == 0 && name.size() > 5 && name.compare(name.size() - 3, 3, ".so") == 0)
+      names.push_back(name);
+  }
+  ::closedir(d);
+  if (names.empty()) return "";
+  std::sort(names.begin(), names.end());  // "_C.abi3.so" (what setup.py builds) sorts first
+  return dir + "/" + names.front();
+}
+
+// Before any package loads: the libraries of --library (else $DSV4_OPS_LIBRARY), each one required;
+// with neither, a CUDA runner tries the checkout's library beside it.
+NativeStatus load_native(const Options& o, const std::function<void(const std::string&)>& log) {
+  NativeStatus st;
+  std::vector<std::pair<std::string, std::string>> wanted;  // (path, where it came from)
+  for (const auto& p : o.libraries) wanted.emplace_back(p, "--library");
+  const char* env = std::getenv("DSV4_OPS_LIBRARY");
+  if (wanted.empty() && env != nullptr && *env != '\0') wanted.emplace_back(env, "DSV4_OPS_LIBRARY");
+  for (const auto& [path, from] : wanted) {
+    std::string error;
+    if (!open_library(path, error)) runtime_error(from + " " + path + ": cannot load the library (" + error + ")");
+    log("loaded " + path + " (" + from + ")");
+    st.loaded.push_back(path);
+  }
+  if (!wanted.empty()) return st;
+#ifdef DSV4_WITH_CUDA
+  const std::string beside = library_beside_runner();
+  if (beside.empty()) {
+    st.none_because = "no --library, DSV4_OPS_LIBRARY unset, no dsv4_ops/_C*.so beside the runner";
+    return st;
+  }
+  std::string error;
+  if (open_library(beside, error)) {
+    log("loaded " + beside + " (beside the runner)");
+    st.loaded.push_back(beside);
+  } else {
+    st.none_because = beside + " did not load: " + error;
+  }
+#else
+  st.none_because = "no --library and DSV4_OPS_LIBRARY unset (a CPU-only runner loads none by itself)";
+#endif
+  return st;
+}
+
+// The load error when it names a dsv4 op (AOTInductor's proxy executor found no schema for it): what
+// was loaded, and how to load the library. "" for other errors.
+std::string native_hint(const std::string& msg, const NativeStatus& native) {
+  const size_t at = msg.find("dsv4::");
+  if (at == std::string::npos) return "";
+  size_t end = at;
+  while (end < msg.size() && (std::isalnum((unsigned char)msg[end]) || msg[end] == '_' || msg[end] == ':')) ++end;
+  std::string loaded;
+  for (const auto& p : native.loaded) loaded += (loaded.empty() ? "" : ", ") + p;
+  return " (the package calls " + msg.substr(at, end - at) + ", a C++ op of dsv4_ops' native library, and " +
+         (loaded.empty() ? "none is loaded: " + native.none_because : "the libraries loaded (" + loaded +
+                                                                          ") do not register it") +
+         "; pass --library PATH, the path that python -c \"import dsv4_ops._native as n; "
+         "print(n.library_path())\" prints, or set DSV4_OPS_LIBRARY)";
+}
+
 // ---- helpers ------------------------------------------------------------------
 
 using Clock = std::chrono::steady_clock;
@@ -279,7 +390,8 @@ void check_file(const std::string& path) {
 std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_model(const std::string& path,
                                                                     const std::string& name,
                                                                     bool single_threaded,
-                                                                    c10::DeviceIndex device_index) {
+                                                                    c10::DeviceIndex device_index,
+                                                                    const NativeStatus& native) {
   try {
     return std::make_unique<torch::inductor::AOTIModelPackageLoader>(path, name, single_threaded,
                                                                      /*num_runners=*/1, device_index);
@@ -288,7 +400,7 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_model(const std::s
     // c10::Error messages carry a C++ backtrace; keep the first line for the user.
     auto nl = msg.find('\n');
     if (nl != std::string::npos) msg = msg.substr(0, nl);
-    runtime_error(path + ": cannot load model '" + name + "' from the package: " + msg);
+    runtime_error(path + ": cannot load model '" + name + "' from the package: " + msg + native_hint(msg, native));
   }
 }
 
@@ -303,13 +415,14 @@ int run_main(const Options& o) {
   auto log = [&](const std::string& s) {
     if (!o.quiet) std::cerr << "[dsv4_run] " << s << std::endl;
   };
+  const NativeStatus native = load_native(o, log);
   check_file(o.model);
 
   auto t_load = Clock::now();
   // Load prefill first (CPU device index is ignored), read its metadata, then decide
   // how to load decode.
   c10::DeviceIndex dev_index = -1;
-  auto prefill = load_model(o.model, "prefill", false, dev_index);
+  auto prefill = load_model(o.model, "prefill", false, dev_index, native);
   PackageInfo info = read_info(prefill->get_metadata(), o.model, "prefill");
 
   bool on_cuda = info.device == "cuda";
@@ -347,7 +460,7 @@ int run_main(const Options& o) {
   }
 #endif
   // CUDA-graph capture requires the single-threaded container runner.
-  auto decode = load_model(o.model, "decode", use_graph, dev_index);
+  auto decode = load_model(o.model, "decode", use_graph, dev_index, native);
   PackageInfo dinfo = read_info(decode->get_metadata(), o.model, "decode");
   if (dinfo.max_batch != info.max_batch || dinfo.vocab != info.vocab || dinfo.device != info.device ||
       dinfo.cache.size() != info.cache.size())

@@ -39,8 +39,9 @@ def use_triton(t: Tensor) -> bool:
 def route_off(module: types.ModuleType):
     """An opaque-op route (``attention_sm90``, ``topk_cuda``: a module whose ``_enabled`` its
     ``applies`` reads) off while tracing, so the graph keeps the Triton kernels (AOTInductor's C++
-    runtime cannot call a Python op). The AOTAutograd cache is off meanwhile: its key holds the
-    traced graph before the route is taken."""
+    runtime cannot call the Gluon attention, a Python op; the CUDA top-k's is off only in tests and
+    measurements). The AOTAutograd cache is off meanwhile: its key holds the traced graph before the
+    route is taken."""
     saved = module._enabled
     module._enabled = False
     try:

@@ -15,8 +15,8 @@ from ._backend import use_triton
 @torch.library.triton_op("dsv4::indexer_topk", mutates_args=())
 def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
-    # Triton scores + radix top-k (same tie rule as the reference); on NVIDIA GPUs where it
-    # builds, the top-k is the CUDA kernel's (topk_cuda.py).
+    # Triton scores + radix top-k (same tie rule as the reference); on NVIDIA GPUs where the
+    # native library is loaded, the top-k is the CUDA kernel's (topk_cuda.py).
     # keys may be an FP8 key cache (rank-4 uint8 [B, pages, page, DI + 4], static): dequantised where read
     keys8 = fp8.is_fp8_cache(keys)
     torch._check(q.dim() == 4 and weights.dim() == 3 and (keys.dim() == 3 or keys8) and visible.dim() == 2,

@@ -1,18 +1,29 @@
-"""``dsv4::topk_rows_cuda``: the CUDA top-k of the indexer's score rows, as an opaque op.
+"""``dsv4::topk_rows_cuda``: the CUDA top-k of the indexer's score rows, a C++ op.
 
-``dsv4::indexer_topk`` routes its top-k here, while it is traced or run, when :func:`applies`:
-an NVIDIA GPU whose top-k library builds (``lowering/cuda/topk_rows.py``: nvcc on first use),
-rows of at most 32768 scores (128K tokens of context at ratio 4), ``topk`` at most 2048, and the
-query tokens scored in one group (every decode step; a prefill chunk whose scores fit
-``SCORES_BUDGET_BYTES``; :func:`serves`). Everything else -- ROCm, no nvcc, longer rows -- keeps the
-Triton top-k, which has the same contract (descending score, ties to the lower index, -1 past the
-picks).
+The op -- schema, argument checks and CUDA kernel -- lives in the package's native library
+(``csrc/kernels/topk_rows_op.cpp`` around ``csrc/kernels/topk_rows.cu``, built by setup.py and
+loaded at import by ``dsv4_ops/_native.py``); this module registers its fake kernel and decides
+where it is used. ``dsv4::indexer_topk`` routes its top-k here, while it is traced or run, when
+:func:`applies`: an NVIDIA GPU (sm_70 or newer) in a process that loaded the native library, rows
+of at most ``MAX_ENTRIES`` scores (128K tokens of context at ratio 4), ``topk`` at most
+``MAX_TOPK``, and the query tokens scored in one group (every decode step; a prefill chunk whose
+scores fit ``SCORES_BUDGET_BYTES``; :func:`serves`). Everything else -- ROCm, no native library,
+longer rows -- keeps the Triton top-k, which has the same contract (descending score, ties to the
+lower index, -1 past the picks); :func:`unavailable_reason` says why the route is off.
 
-Why an opaque op: the kernel is CUDA C++ loaded by ctypes, not Triton, so Inductor cannot
-inline it; a compiled graph calls it as an extern op and CUDA graphs replay its launch.
-AOTInductor's C++ runtime cannot call a Python op, so ``dsv4_ops.export`` traces under
-:func:`disabled` (packages keep the Triton top-k). ``DSV4_OPS_CUDA_TOPK=0`` (read at import)
-turns the route off.
+How the kernel works: one CUDA block a row. The row's scores go to registers (rows past 16 scores
+a thread: through shared memory, by bulk copies, and then only the candidates at or above a floor
+the k-th best cannot be under, to a shared list); an 8-bit radix select finds the k-th best key,
+each pass a 256-bin histogram a warp in shared memory, so that the warps' atomics never contend;
+the picks are compacted by a block scan and ordered by buckets of their keys, or by a bitonic sort
+in registers and shuffles where a bucket is crowded. Triton cannot express this select:
+``tl.histogram`` has no shared-memory atomics.
+
+Because the op is C++, Inductor calls it as an extern kernel in compiled graphs (CUDA graphs
+replay its launch) and AOTInductor packages call it through their proxy executor: a process
+that runs such a package must have loaded the native library first (``AOTIGenerator``: by
+importing dsv4_ops; ``build/dsv4_run``: ``--library``). ``DSV4_OPS_CUDA_TOPK=0`` (read at
+import) turns the route off, as does :func:`disabled` while tracing.
 """
 from __future__ import annotations
 
@@ -21,58 +32,62 @@ import os
 import sys
 
 import torch
-from torch import Tensor
 
+from .. import _native
 from ._backend import route_off
 
 ENV = "DSV4_OPS_CUDA_TOPK"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
-# eager / tracing invocations (a CUDA-graph replay runs no Python)
-stats = {"launches": 0}
+# What one launch serves; mirrors kTopkRowsMaxEntries / kTopkRowsMaxTopk in csrc/kernels/topk_rows.h
+# (tests/test_topk_cuda_build.py checks that they agree), as do the op's own checks.
+MAX_ENTRIES = 32768
+MAX_TOPK = 2048
+MIN_CAPABILITY = (7, 0)  # warp shuffles with masks, independent thread scheduling
+
+
+def available() -> bool:
+    """The native library loaded, so ``torch.ops.dsv4.topk_rows_cuda`` exists."""
+    return _native.library_path() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`applies` is False for every input in this process, or None when it may be True."""
+    if not available():
+        return _native.unavailable_reason()
+    if not _enabled:
+        return f"turned off ({ENV}=0, or inside topk_cuda.disabled())"
+    return None
+
+
+def serves(rows: int, N: int, topk: int, max_n: int = MAX_ENTRIES, max_k: int = MAX_TOPK) -> bool:
+    """The rule (pure, tested on CPU): ``rows`` rows of ``N`` scores go to the CUDA top-k when it
+    serves their size: one row or many, short rows or up to ``max_n`` scores (the kernel takes a
+    long row alone as fast as the Triton split top-k spreads it over the GPU)."""
+    return rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
 
 
 @functools.cache
-def _limits(index: int) -> tuple[int, int]:
-    """(max entries, max topk) of the library on device ``index``; (0, 0) if it cannot be built."""
-    from ..lowering.cuda import topk_rows
-
-    return topk_rows.max_entries(index), topk_rows.max_topk(index)
-
-
-def serves(rows: int, N: int, topk: int, max_n: int, max_k: int) -> bool:
-    """The rule (pure, tested on CPU): ``rows`` rows of ``N`` scores go to the CUDA top-k when it
-    serves their size (``max_n``, ``max_k``: the library's limits, 0 when it did not build).
-    Until session 16 a few rows of more than 16384 scores kept the Triton split top-k, which spreads
-    them over the GPU (1 x 32768 scores: the whole op 28.7 us). Since session 17's list kernel the
-    CUDA top-k takes one such row in 14.4 us, and the op 20.4 us (H200; at 8 and 16 rows too:
-    BENCHMARKS.md, session 17)."""
-    return rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
+def _capable(index: int) -> bool:
+    return tuple(torch.cuda.get_device_capability(index)) >= MIN_CAPABILITY
 
 
 def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
     """Static: a function of the device and the scores' shape ``[B, S, N]``, never of values."""
-    if not (_enabled and device.type == "cuda" and torch.version.hip is None and torch.cuda.is_available()):
+    if not (_enabled and available() and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.is_available()):
         return False  # (fake CUDA tensors on a machine without a GPU: the Triton path, as everywhere)
+    if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
+        return False
     B, S, N = scores_shape
-    max_n, max_k = _limits(device.index if device.index is not None else torch.cuda.current_device())
-    return serves(B * S, N, topk, max_n, max_k)
+    return serves(B * S, N, topk)
 
 
 def disabled():
-    """Trace with the Triton top-k only (AOTInductor packages): ``_backend.route_off``."""
+    """Trace with the Triton top-k only (tests, measurements): ``_backend.route_off``."""
     return route_off(sys.modules[__name__])
 
 
-@torch.library.custom_op("dsv4::topk_rows_cuda", mutates_args=(), device_types="cuda")
-def topk_rows_cuda(scores: Tensor, visible: Tensor, topk: int) -> Tensor:
-    """``[B, S, topk] int32``: per row of ``scores [B, S, N]`` the ``min(topk, visible)`` best
-    of its first ``visible`` entries, descending score then ascending index, then -1."""
-    from ..lowering.cuda.topk_rows import topk_rows
-
-    stats["launches"] += 1
-    return topk_rows(scores, visible, topk)
-
-
-@topk_rows_cuda.register_fake
-def _(scores, visible, topk):
-    return scores.new_empty((*scores.shape[:2], topk), dtype=torch.int32)
+if available():
+    @torch.library.register_fake("dsv4::topk_rows_cuda")
+    def _topk_rows_cuda_fake(scores, visible, topk):
+        return scores.new_empty((*scores.shape[:2], topk), dtype=torch.int32)

@@ -528,7 +528,7 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
       not bytes-bound.
     ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; the launch
     constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ.
-    On NVIDIA GPUs where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
+    On NVIDIA GPUs where dsv4_ops' native library is loaded (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
     scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
     kernel. ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
     without spills for gfx942/gfx950 at every row length, where the row kernel spills SGPRs at

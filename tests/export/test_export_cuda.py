@@ -1,6 +1,9 @@
-"""GPU box: ``dsv4_ops.export`` on CUDA compiles our Triton kernels into the package (no
-``torch.ops.dsv4`` call left in it); the package loaded by ``AOTIGenerator`` (CUDA-graphed decode)
-and by the C++ runner generates the tokens of the CUDA-graphed ``Generator`` (fp32: exact).
+"""GPU box: ``dsv4_ops.export`` on CUDA compiles our Triton kernels into the package, and the one
+``torch.ops.dsv4`` op its programs still call is the CUDA top-k, ``dsv4::topk_rows_cuda`` (a C++ op of
+dsv4_ops' native library, called through AOTInductor's proxy executor; none where the library is not
+loaded); the package loaded by ``AOTIGenerator`` in a fresh process (CUDA-graphed decode) and by the
+C++ runner (the library beside it, or given by ``--library``) generates the tokens of the eager and
+of the CUDA-graphed ``Generator`` (fp32: exact).
 
 torch 2.11 on the GPU box: loading a .pt2 segfaults in std::regex unless the process starts with
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6, so loads run in subprocesses that set it."""
@@ -18,7 +21,8 @@ import pytest
 import torch
 
 import dsv4_ops
-from dsv4_ops import DSV4Config, Generator
+from dsv4_ops import DSV4Config, Generator, _native
+from dsv4_ops.ops import topk_cuda
 from model_util import random_model
 from package_case import CFG, LIMITS, NEW_TOKENS, PROMPTS
 
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 LIBSTDCXX = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV.pop("DSV4_OPS_LIBRARY", None)  # the runner finds the library as each test says
 if os.path.exists(LIBSTDCXX):
     ENV["LD_PRELOAD"] = LIBSTDCXX
 
@@ -40,28 +45,49 @@ def cuda_case(tmp_path_factory):
     graphed = Generator(model, compile=True, cuda_graphs=True, **LIMITS)
     graphed.generate(PROMPTS, max_new_tokens=3)  # warm-up: compile + record
     want = graphed.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    eager = Generator(model, compile=False, cuda_graphs=False, **LIMITS).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     path = tmp_path_factory.mktemp("cuda_pkg") / "tiny_cuda.pt2"
     dsv4_ops.export(model, path, **LIMITS)
-    return str(path), want
+    return str(path), want, eager
 
 
-def test_cuda_package_holds_our_triton_kernels_and_no_extern_op_call(cuda_case) -> None:
-    path, _ = cuda_case
+def extern_targets(z: zipfile.ZipFile, program: str) -> list[str]:
+    """The ops ``program`` calls through AOTInductor's proxy executor: the targets of the extern
+    kernel nodes in the JSON beside its wrapper (``<wrapper>.json``; ``*_metadata.json`` is not one)."""
+    targets = []
+    for name in z.namelist():
+        if f"/{program}/" in name and name.endswith(".json") and not name.endswith("_metadata.json"):
+            data = json.loads(z.read(name))
+            if isinstance(data, dict):
+                targets += [node["node"]["target"] for node in data.get("nodes", [])]
+    return targets
+
+
+def test_cuda_package_holds_our_triton_kernels_and_calls_only_the_cuda_topk(cuda_case) -> None:
+    path, _, _ = cuda_case
     z = zipfile.ZipFile(path)
     names = z.namelist()
-    wrappers = [n for n in names if n.endswith(".wrapper.cpp") and "/decode/" in n]
-    assert wrappers, names[:20]
-    code = z.read(wrappers[0]).decode()
-    for kernel in ("sparse_attention_kernel", "indexer_scores_kernel", "plan_kernel", "cache_write_kernel",
-                   "compress_kernel", "sinkhorn_kernel"):
-        assert kernel in code or any(kernel in n for n in names), f"{kernel} not compiled into the package"
-    # an op AOTInductor cannot compile becomes a call through the proxy executor (needs Python)
-    assert "proxy_executor_call_function" not in code, "an op fell back to an extern call"
+    for program in ("prefill", "decode"):
+        wrappers = [n for n in names if n.endswith(".wrapper.cpp") and f"/{program}/" in n]
+        assert wrappers, names[:20]
+        code = z.read(wrappers[0]).decode()
+        for kernel in ("sparse_attention_kernel", "indexer_scores_kernel", "plan_kernel", "cache_write_kernel",
+                       "compress_kernel", "sinkhorn_kernel"):
+            assert kernel in code or any(kernel in n for n in names), f"{kernel} not compiled into {program}"
+        # an op AOTInductor cannot compile is a call through the proxy executor: only the C++ top-k
+        targets = {t.split(".")[0] for t in extern_targets(z, program)}
+        if topk_cuda.available():
+            assert targets == {"dsv4::topk_rows_cuda"}, f"{program} calls {sorted(targets)}"
+            assert "proxy_executor_call_function" in code
+        else:  # no native library in this process: the Triton top-k, no extern call
+            assert not targets and "proxy_executor_call_function" not in code, sorted(targets)
     assert any(n.endswith(".cubin") for n in names)
 
 
-def test_aoti_generator_on_cuda_equals_the_graphed_generator(cuda_case) -> None:
-    path, want = cuda_case
+def test_aoti_generator_on_cuda_equals_the_eager_and_the_graphed_generator(cuda_case) -> None:
+    """A fresh process: importing dsv4_ops loads the native library, so the package's call of the
+    CUDA top-k finds its op."""
+    path, want, eager = cuda_case
     code = (f"import json, dsv4_ops; g = dsv4_ops.AOTIGenerator({path!r}); "
             f"out = g.generate({PROMPTS!r}, max_new_tokens={NEW_TOKENS}); "
             "print(json.dumps([out, g.stats['cuda_graph_replays']]))")
@@ -69,22 +95,34 @@ def test_aoti_generator_on_cuda_equals_the_graphed_generator(cuda_case) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     tokens, replays = json.loads(res.stdout.strip().splitlines()[-1])
     assert tokens == want
+    assert tokens == eager
     assert replays >= NEW_TOKENS - 2  # decode replayed as a CUDA graph after its first step
 
 
-def test_cpp_runner_on_cuda_equals_the_graphed_generator(cuda_case) -> None:
-    path, want = cuda_case
+@pytest.mark.parametrize("library", ["beside", "flag"])
+def test_cpp_runner_on_cuda_equals_the_graphed_generator(cuda_case, library) -> None:
+    """The runner loads dsv4_ops' native library before the package: by itself, the checkout's
+    beside it (``build/../dsv4_ops/_C*.so``, what ``pip install -e .`` built), or the one
+    ``--library`` names."""
+    path, want, _ = cuda_case
+    if library == "flag" and not topk_cuda.available():
+        pytest.skip(f"no native library to pass: {topk_cuda.unavailable_reason()}")
     build = subprocess.run(["make", "runner", f"RUNNER_PY={sys.executable}"], cwd=ROOT, env=ENV, capture_output=True,
                            text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     cmd = [str(ROOT / "build" / "dsv4_run"), path, "--max-new-tokens", str(NEW_TOKENS)]
     for p in PROMPTS:
         cmd += ["--prompt", ",".join(map(str, p))]
+    if library == "flag":
+        cmd += ["--library", _native.library_path()]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line for line in res.stdout.strip().splitlines() if re.fullmatch(r"[\d,]+", line)]
     assert [[int(t) for t in r.split(",")] for r in rows] == want
     assert "graph" in res.stderr.lower()  # it says it replays decode as a CUDA graph
+    if topk_cuda.available():
+        said = "(--library)" if library == "flag" else "(beside the runner)"
+        assert re.search(rf"loaded \S+_C\S*\.so {re.escape(said)}", res.stderr), res.stderr[-2000:]
 
 
 def test_fp8_cache_package_on_cuda_equals_the_graphed_fp8_generator(tmp_path) -> None:
