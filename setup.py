@@ -3,7 +3,7 @@ installs as `dsv4_ops.lowering` via package_dir.
 
 Where the installing torch is a CUDA build and nvcc is found, the package also gets its native
 library `dsv4_ops._C` (csrc/kernels: the C++ op `dsv4::topk_rows_cuda`), built with
-torch.utils.cpp_extension and loaded at import by `torch.ops.load_library` (dsv4_ops/_native.py);
+torch.utils.cpp_extension and loaded at import by `torch.ops.load_library` (dsv4_ops/native.py);
 an editable install (`pip install -e .`) builds it in place, next to `dsv4_ops/__init__.py`.
 It links no libtorch_python (py_limited_api), so the C++ runner (csrc/runner) can dlopen it too.
 Elsewhere (a CPU or ROCm torch, no nvcc) the install is pure Python and the Triton kernels serve.
@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join("csrc", "kernels")
 NATIVE_SOURCES = [os.path.join(KERNELS, "topk_rows_op.cpp"), os.path.join(KERNELS, "topk_rows.cu")]
 NATIVE_HEADERS = [os.path.join(KERNELS, "topk_rows.h")]
-BUILD_ERROR = os.path.join("dsv4_ops", "_C.build-error")  # read by dsv4_ops/_native.py
+BUILD_ERROR = os.path.join("dsv4_ops", "_C.build-error")  # read by dsv4_ops/native.py
 DEFAULT_ARCH = "9.0"  # the H100 / H200
 ENV = "DSV4_USE_CPP"
 

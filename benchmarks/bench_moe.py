@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dsv4_ops  # noqa: E402,F401  (registers the ops)
 from dsv4_ops.lowering.triton import moe_gemv as mg  # noqa: E402
-from dsv4_ops.model.moe import experts_grouped_mm  # noqa: E402
+from dsv4_ops.lowering.aten.experts import experts_grouped_mm  # noqa: E402
 
 E, D, I, K, LIMIT = 256, 4096, 2048, 6, 10.0
 HBM_BYTES_PER_S = 4.3e12

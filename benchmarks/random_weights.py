@@ -12,7 +12,7 @@ import torch
 
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config
 from dsv4_ops.config import CSA, HCA, SLIDING
-from dsv4_ops.model.model import _rope
+from dsv4_ops.model.model import rope_tables_for
 
 CONFIGS = ("bench", "flash-slice")
 
@@ -48,7 +48,7 @@ def random_init_model(cfg: DSV4Config, dtype: torch.dtype = torch.bfloat16, devi
             p.normal_(0, p.shape[-1] ** -0.5, generator=g)
         else:
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2, generator=g)
-    rope = _rope(cfg, max_positions, device)
+    rope = rope_tables_for(cfg, max_positions, device)
     for layer in [*model.model.layers, *model.mtp]:
         attn = layer.self_attn
         attn.cos, attn.sin = rope["main" if attn.ratio == 0 else "compress"]

@@ -28,7 +28,7 @@ kernels of the ops are compiled into the package; no Python is needed to run it.
 CUDA top-k (``dsv4::topk_rows_cuda``, a C++ op of dsv4_ops' native library) stays a call, which
 AOTInductor's proxy executor makes: a process that loads such a package must have loaded the
 library first (``AOTIGenerator`` does by importing dsv4_ops, ``build/dsv4_run`` by ``--library``
-or next to itself; ``dsv4_ops/_native.py``).
+or next to itself; ``dsv4_ops/native.py``).
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from .model.attention import AttentionState
 from .model.kv_cache_dtype import check_kv_cache_dtype
-from .ops import attention_sm90 as sm90
 from .ops.validate import check_int
 from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
@@ -185,11 +184,13 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
             files = {}
             for i, (name, (module, args)) in enumerate(programs.items()):
                 os.makedirs(os.path.join(work, name))
-                # AOTInductor's C++ runtime cannot call the Gluon attention (a Python op): Triton
-                # only. The CUDA top-k is a C++ op, which the package calls (see above).
+                # AOTInductor's C++ runtime cannot call the Gluon attention (a Python op), so that route
+                # steps aside while torch exports (attention_sm90.applies); the CUDA top-k is a C++ op,
+                # which the package calls. The route is taken inside the op bodies, after the AOTAutograd
+                # cache's key (the graph before them) is made: a graph torch.compile cached must not serve.
                 with Progress(f"export {i + 1}/{len(programs)}: {name} program (torch.export + AOTInductor)",
                               estimate_s=estimate, stream=None if verbose else io.StringIO()), \
-                        sm90.disabled():
+                        torch._functorch.config.patch(enable_autograd_cache=False):
                     ep = exported_program(module, args)
                     files[name] = torch._inductor.aot_compile(
                         ep.module(), ep.example_inputs[0], ep.example_inputs[1],

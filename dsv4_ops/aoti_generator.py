@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import _native
+from . import native
 from .aoti_export import FORMAT, PROGRAMS, SPEC_PROGRAMS, parse_cache_spec
 from .generation_loop import GenerationLoop, PreparedBatch
 from .speculative import start_drafts
@@ -32,10 +32,10 @@ _REQUIRED = ("dsv4.format", "dsv4.max_batch_size", "dsv4.max_seq_len", "dsv4.pre
 def _native_hint(message: str) -> str:
     """What to add to a load error that names a ``dsv4::`` op: the package calls an op of dsv4_ops'
     native library (the CUDA top-k), which this process has not loaded."""
-    if "dsv4::" not in message or _native.library_path() is not None:
+    if "dsv4::" not in message or native.library_path() is not None:
         return ""
     return (f"; the package calls a C++ op of dsv4_ops' native library, which is not loaded: "
-            f"{_native.unavailable_reason()}")
+            f"{native.unavailable_reason()}")
 
 
 def _zeros(spec: str, device) -> list[Tensor]:

@@ -505,13 +505,15 @@ def test_gpu_check_runs_the_shared_memory_poisoning_tests_in_one_process():
 
     for f in ROOT.glob("tests/**/test_*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and \
-                    ("poison_shared_memory" in ast.unparse(node) or "seen_after_poison" in ast.unparse(node)):
+            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} \
+                if isinstance(node, ast.FunctionDef) else set()
+            if node.__class__ is ast.FunctionDef and node.name.startswith("test_") and \
+                    calls & {"poison_shared_memory", "shared_memory_seen_after_poison"}:
                 marks = [ast.unparse(d) for d in node.decorator_list]
                 assert "pytest.mark.smem_poison" in marks, f"{f.name}::{node.name} poisons shared memory, unmarked"
     text = (ROOT / "tools/gpu_check.sh").read_text()
     mode = text[text.index("    tests)"):]
-    mode = mode[:mode.index(";;")]
+    mode = mode[:mode.index(";;")].replace("\\\n", " ")  # one line a command
     serial = [line for line in mode.splitlines() if '"gpu and smem_poison"' in line]
     assert serial and all("-n" not in line for line in serial)
     assert any('"gpu and not smem_poison"' in line and "-n" in line for line in mode.splitlines())

@@ -15,7 +15,8 @@ import torch
 import dsv4_ops
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator
 from dsv4_ops.model.kv_cache_dtype import check_kv_cache_dtype
-from dsv4_ops.ops import attention_sm90 as sm90
+from dsv4_ops.ops import attention_sm90 as sm90  # noqa: F401
+from routes import triton_attention
 from model_util import random_model
 
 CFG = DSV4Config.tiny(head_dim=144, num_hidden_layers=3, hca_ratio=8)
@@ -239,16 +240,15 @@ def test_fp8_cache_at_v4_attention_widths_matches_the_fp8_reference(dtype, bound
                         kv_cache_dtype=kv_cache_dtype)
         return torch.stack([gen.prefill(prompts)] + [gen.decode(feed[t]) for t in range(len(feed))], 1).float()
 
-    # the Triton kernels on both sides (not the sm_90 Gluon route, which serves FP8 pages from batch 1
-    # since session 21): the same 32-row blocks, so the bf16 rounding of P is the same (BENCHMARKS.md,
-    # session 11), and what is compared is the cache's numerics, not two kernels' rounding, which
-    # these logits amplify (session 20). The Gluon FP8 reader inside this model: tests/ops/
-    # test_sparse_attention_sm90_fp8.py, call by call against the Triton kernel
-    with sm90.disabled():
+    # the Triton kernels on both sides (not the sm_90 Gluon route, which serves FP8 pages from batch 1):
+    # the same 32-row blocks, so the bf16 rounding of P is the same, and what is compared is the cache's
+    # numerics, not two kernels' rounding, which these logits amplify. The Gluon FP8 reader inside this
+    # model: tests/ops/test_sparse_attention_sm90_fp8.py, call by call against the Triton kernel
+    with triton_attention():
         fp8_logits = run("fp8")
     m.simulate_fp8_cache(True)
     try:
-        with sm90.disabled():
+        with triton_attention():
             want = run("auto")
     finally:
         m.simulate_fp8_cache(False)

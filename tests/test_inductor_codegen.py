@@ -3,7 +3,7 @@ generated code (triton_op + wrap_triton), with no "assuming every input is mutat
 the compiled step matches eager and the CPU reference. The one opaque ``torch.ops.dsv4`` extern
 call allowed is the CUDA top-k (``dsv4::topk_rows_cuda``, a C++ op that Inductor cannot inline:
 ``dsv4_ops/ops/topk_cuda.py``), and only where it applies; with that route off
-(``topk_cuda.disabled()``) the graph holds Triton kernels alone. (CPU keeps the reference path; that is
+(``DSV4_OPS_CUDA_TOPK=0``) the graph holds Triton kernels alone. (CPU keeps the reference path; that is
 tests/test_compile_ops.py.)"""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import dsv4_ops
 from dsv4_ops import lowering
 from dsv4_ops.ops import topk_cuda
+from routes import triton_topk
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +106,7 @@ def test_compiled_step_calls_our_triton_kernels_and_matches_eager(cuda_topk):
                     "top-k runs")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch._dynamo.reset()
-    route = contextlib.nullcontext if cuda_topk else topk_cuda.disabled  # (a fresh context for each case)
+    route = contextlib.nullcontext if cuda_topk else triton_topk  # (a fresh context for each case)
     # the only opaque calls the graph may hold, by op name
     opaque_ok = {"topk_rows_cuda"} if cuda_topk else set()
     kernels = KERNELS if cuda_topk else KERNELS + (TRITON_TOPK,)

@@ -91,11 +91,11 @@ def _layer(mod: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-# what each layer may import of the package (besides itself)
+# what each layer may import of the package (besides itself); ``native`` loads the C++ ops' library
 ALLOWED = {
     "lowering": {"lowering", "reference"},
     "reference": {"reference"},
-    "ops": {"ops", "lowering", "reference"},
+    "ops": {"ops", "lowering", "reference", "native"},
 }
 
 

@@ -15,7 +15,7 @@ from dsv4_ops.ops import topk_cuda
 OPS_TESTS = Path(__file__).parent / "ops"
 TEMPLATE = ("opcheck", "fake_matches_real", "matches_reference", "edge_cases", "rejects_bad_input")
 PUBLIC = {"plan", "cache_write", "compress", "indexer_topk", "sparse_attention"}
-# C++ ops of the native library (dsv4_ops/_native.py): registered only where it loaded. Their
+# C++ ops of the native library (dsv4_ops/native.py): registered only where it loaded. Their
 # schemas are pinned here when they are, and in their C++ source always (tests/test_topk_cuda_build.py).
 NATIVE = {"topk_rows_cuda"} if topk_cuda.available() else set()
 

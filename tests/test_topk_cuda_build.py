@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4_ops import _native
+from dsv4_ops import native
 from dsv4_ops.ops import topk_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,18 +128,18 @@ def test_the_schema_and_its_registration_are_in_cpp():
 
 
 def test_no_library_means_the_triton_topk_and_a_reason(tmp_path):
-    """``_native.load``: no file (with or without the build's error), a CPU torch, a file that is no
+    """``native.load``: no file (with or without the build's error), a CPU torch, a file that is no
     library: each a reason, never an exception."""
-    paths = _native.candidates(tmp_path)
-    path, why = _native.load(paths, "13.0")
+    paths = native.candidates(tmp_path)
+    path, why = native.load(paths, "13.0")
     assert path is None and "without its native library" in why
     (tmp_path / "_C.build-error").write_text("CompileError: nvcc failed\nmore\n")
-    path, why = _native.load(paths, "13.0", tmp_path / "_C.build-error")
+    path, why = native.load(paths, "13.0", tmp_path / "_C.build-error")
     assert path is None and "failed to build (CompileError: nvcc failed" in why
     paths[0].write_bytes(b"not an ELF file")
-    path, why = _native.load(paths, None)
+    path, why = native.load(paths, None)
     assert path is None and "not a CUDA build" in why
-    path, why = _native.load(paths, "13.0")
+    path, why = native.load(paths, "13.0")
     assert path is None and "did not load" in why and str(paths[0]) in why
 
 
@@ -148,8 +148,8 @@ def test_a_package_load_error_naming_a_dsv4_op_says_the_library_is_missing():
 
     assert _native_hint("Could not find schema for aten::foo.") == ""
     hint = _native_hint("Could not find schema for dsv4::topk_rows_cuda.")
-    if _native.library_path() is None:
-        assert "native library, which is not loaded" in hint and _native.unavailable_reason() in hint
+    if native.library_path() is None:
+        assert "native library, which is not loaded" in hint and native.unavailable_reason() in hint
     else:
         assert hint == ""
 
@@ -157,9 +157,9 @@ def test_a_package_load_error_naming_a_dsv4_op_says_the_library_is_missing():
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA torch may have the library")
 def test_importing_dsv4_ops_without_the_library_is_quiet_and_keeps_the_triton_topk():
     code = ("import json, torch, dsv4_ops\n"
-            "from dsv4_ops import _native\n"
+            "from dsv4_ops import native\n"
             "from dsv4_ops.ops import topk_cuda\n"
-            "print(json.dumps([_native.library_path(), topk_cuda.available(), topk_cuda.unavailable_reason(),\n"
+            "print(json.dumps([native.library_path(), topk_cuda.available(), topk_cuda.unavailable_reason(),\n"
             "                  topk_cuda.applies((1, 1, 8192), torch.device('cuda'), 512),\n"
             "                  hasattr(torch.ops.dsv4, 'topk_rows_cuda')]))\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -173,9 +173,11 @@ def test_importing_dsv4_ops_without_the_library_is_quiet_and_keeps_the_triton_to
 
 
 def test_route_never_takes_cpu_tensors_and_turns_off_for_tests():
+    from routes import triton_topk
+
     assert not topk_cuda.applies((1, 1, 8192), torch.device("cpu"), 512)
     saved = topk_cuda._enabled
-    with topk_cuda.disabled():
+    with triton_topk():
         assert topk_cuda._enabled is False
         if topk_cuda.available():
             assert "turned off" in topk_cuda.unavailable_reason()

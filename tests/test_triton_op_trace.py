@@ -36,7 +36,7 @@ EXPECTED = [
     ("combine_kernel", ["out_ptr"]),
     ("moe_gate_up_kernel", ["h_ptr"]),  # routed experts of the step's tokens
     ("moe_down_kernel", ["out_ptr"]),
-    ("gemv_kernel", ["y_ptr"]),  # a grouped projection of one token
+    ("gemv_kernel", ["y_ptr"]),  # a grouped projection of one token, rows wide enough for the kernel
 ]
 
 
@@ -97,7 +97,7 @@ def _worker():
         args = [t(B, dtype=torch.int32), t(B, dtype=torch.int32), t(B, S, H, D), t(B, S, D), t(B, S, 2 * D),
                 t(B, S, 2 * D), t(B, S, HI, DI), t(B, S, HI), t(H), t(D), t(80, 8), t(80, 8), t(B, 8, D),
                 t(B, 8, 2 * D), t(B, 8, 2 * D), t(B, 200, D), t(B, 16, DI), t(B, D), t(B, 6, dtype=torch.int64),
-                t(B, 6), t(8, 64, D), t(8, D, 32), t(1, 2, D), t(2, 16, D)]
+                t(B, 6), t(8, 64, D), t(8, D, 32), t(1, 2, 2048), t(2, 256, 2048)]
         gm = make_fx(dispatch_functionalize(step), tracing_mode="real")(*args)
     launches, leftover = [], []
     for node in gm.graph.nodes:

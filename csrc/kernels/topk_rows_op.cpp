@@ -1,7 +1,7 @@
 // dsv4::topk_rows_cuda: the CUDA top-k of topk_rows.cu as a torch operator.
 //
 // The schema is defined here, in C++, so that any process that loads this library has the op:
-// Python (torch.ops.load_library, dsv4_ops/_native.py; the fake kernel is Python's,
+// Python (torch.ops.load_library, dsv4_ops/native.py; the fake kernel is Python's,
 // dsv4_ops/ops/topk_cuda.py) and the C++ runner of AOTInductor packages (csrc/runner/dsv4_run.cpp,
 // which dlopens the library and whose packages call the op through AOTInductor's proxy executor).
 // The implementation checks its arguments (a ValueError in Python naming the argument and the

@@ -79,7 +79,7 @@ const char* kHelp =
     "                       replaying a captured CUDA graph\n"
     "  --library PATH       dlopen PATH before loading the package (repeatable): dsv4_ops'\n"
     "                       native library, whose C++ ops (the CUDA top-k) CUDA packages\n"
-    "                       call; its path: python -c \"import dsv4_ops._native as n;\n"
+    "                       call; its path: python -c \"import dsv4_ops.native as n;\n"
     "                       print(n.library_path())\". Default: $DSV4_OPS_LIBRARY, else\n"
     "                       (CUDA runner) ../dsv4_ops/_C*.so beside this executable\n"
     "  -h, --help           this text\n"
@@ -357,7 +357,7 @@ std::string native_hint(const std::string& msg, const NativeStatus& native) {
   return " (the package calls " + msg.substr(at, end - at) + ", a C++ op of dsv4_ops' native library, and " +
          (loaded.empty() ? "none is loaded: " + native.none_because : "the libraries loaded (" + loaded +
                                                                           ") do not register it") +
-         "; pass --library PATH, the path that python -c \"import dsv4_ops._native as n; "
+         "; pass --library PATH, the path that python -c \"import dsv4_ops.native as n; "
          "print(n.library_path())\" prints, or set DSV4_OPS_LIBRARY)";
 }
 

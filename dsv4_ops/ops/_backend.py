@@ -22,9 +22,6 @@ out-of-range indices the same way on every backend (each op's docstring says how
 """
 from __future__ import annotations
 
-import contextlib
-import types
-
 import torch
 from torch import Tensor
 
@@ -33,19 +30,3 @@ from .. import lowering
 
 def use_triton(t: Tensor) -> bool:
     return lowering.use_triton(t.device.type)
-
-
-@contextlib.contextmanager
-def route_off(module: types.ModuleType):
-    """An opaque-op route (``attention_sm90``, ``topk_cuda``: a module whose ``_enabled`` its
-    ``applies`` reads) off while tracing, so the graph keeps the Triton kernels (AOTInductor's C++
-    runtime cannot call the Gluon attention, a Python op; the CUDA top-k's is off only in tests and
-    measurements). The AOTAutograd cache is off meanwhile: its key holds the traced graph before the
-    route is taken."""
-    saved = module._enabled
-    module._enabled = False
-    try:
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            yield
-    finally:
-        module._enabled = saved

@@ -11,8 +11,9 @@ gathers and split the scores and ``P @ rows`` between warpgroups in ways ``tl`` 
 
 Why a second op: torch's ``wrap_triton`` re-parses a kernel as plain Triton, so a Gluon kernel
 cannot be inlined by Inductor; it runs as an extern call inside a compiled graph, which CUDA
-graphs replay like any launch. AOTInductor cannot call a Python op from its C++ runtime, so
-``dsv4_ops.export`` traces under :func:`disabled`: packages keep the Triton kernel.
+graphs replay like any launch. AOTInductor cannot call a Python op from its C++ runtime, so the
+route steps aside while torch exports (``torch.compiler.is_exporting()``, true through
+``torch.export`` and AOTInductor's compile): packages keep the Triton kernel.
 
 ``DSV4_OPS_GLUON_ATTENTION=0`` (read at import) turns the route off. A compiled graph keeps the
 route it was traced with, and so may torch's on-disk compile cache (its key is the graph before
@@ -22,12 +23,9 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 from torch import Tensor
-
-from ._backend import route_off
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -59,7 +57,7 @@ def _fp8_caches(kv: Tensor, cmp: Tensor) -> bool:
 
 def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor) -> bool:
     """Static: the route is a function of devices, dtypes, shapes and strides, never of values."""
-    if not (_enabled and q.device.type == "cuda" and gluon_available()):
+    if not (_enabled and q.device.type == "cuda" and not torch.compiler.is_exporting() and gluon_available()):
         return False
     B, S, H, D = q.shape
     if not (S == 1 and H == 64 and D == 512 and q.dtype == torch.bfloat16 and B > 0
@@ -72,11 +70,6 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
         return B >= min_batch and serves(q, kv, kv_idx, cmp, cmp_idx, cmp_len)
     return (kv.dim() == 3 and cmp.dim() == 3 and kv.dtype == cmp.dtype == torch.bfloat16
             and kv.shape[1] + cmp.shape[1] > 0)
-
-
-def disabled():
-    """Trace with the Triton kernel only (AOTInductor packages): ``_backend.route_off``."""
-    return route_off(sys.modules[__name__])
 
 
 @torch.library.custom_op("dsv4::sparse_attention_sm90", mutates_args=(), device_types="cuda")

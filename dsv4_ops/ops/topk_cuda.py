@@ -2,7 +2,7 @@
 
 The op -- schema, argument checks and CUDA kernel -- lives in the package's native library
 (``csrc/kernels/topk_rows_op.cpp`` around ``csrc/kernels/topk_rows.cu``, built by setup.py and
-loaded at import by ``dsv4_ops/_native.py``); this module registers its fake kernel and decides
+loaded at import by ``dsv4_ops/native.py``); this module registers its fake kernel and decides
 where it is used. ``dsv4::indexer_topk`` routes its top-k here, while it is traced or run, when
 :func:`applies`: an NVIDIA GPU (sm_70 or newer) in a process that loaded the native library, rows
 of at most ``MAX_ENTRIES`` scores (128K tokens of context at ratio 4), ``topk`` at most
@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 
-from .. import _native
-from ._backend import route_off
+from .. import native
 
 ENV = "DSV4_OPS_CUDA_TOPK"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -47,15 +45,15 @@ MIN_CAPABILITY = (7, 0)  # warp shuffles with masks, independent thread scheduli
 
 def available() -> bool:
     """The native library loaded, so ``torch.ops.dsv4.topk_rows_cuda`` exists."""
-    return _native.library_path() is not None
+    return native.library_path() is not None
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`applies` is False for every input in this process, or None when it may be True."""
     if not available():
-        return _native.unavailable_reason()
+        return native.unavailable_reason()
     if not _enabled:
-        return f"turned off ({ENV}=0, or inside topk_cuda.disabled())"
+        return f"turned off ({ENV}=0)"
     return None
 
 
@@ -80,11 +78,6 @@ def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
         return False
     B, S, N = scores_shape
     return serves(B * S, N, topk)
-
-
-def disabled():
-    """Trace with the Triton top-k only (tests, measurements): ``_backend.route_off``."""
-    return route_off(sys.modules[__name__])
 
 
 if available():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dsv4_ops
-from dsv4_ops import DSV4Config, Generator, _native
+from dsv4_ops import DSV4Config, Generator, native
 from dsv4_ops.ops import topk_cuda
 from model_util import random_model
 from package_case import CFG, LIMITS, NEW_TOKENS, PROMPTS
@@ -114,7 +114,7 @@ def test_cpp_runner_on_cuda_equals_the_graphed_generator(cuda_case, library) -> 
     for p in PROMPTS:
         cmd += ["--prompt", ",".join(map(str, p))]
     if library == "flag":
-        cmd += ["--library", _native.library_path()]
+        cmd += ["--library", native.library_path()]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [line for line in res.stdout.strip().splitlines() if re.fullmatch(r"[\d,]+", line)]

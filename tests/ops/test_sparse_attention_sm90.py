@@ -2,9 +2,9 @@
 runs the Gluon kernel (``dsv4::sparse_attention_sm90``, routed to by ``dsv4::sparse_attention``):
 its output equals the float64 oracle within bf16's tolerance for every entry kind (window rows
 with -1 sentinels, top-k picks, a dense prefix, empty segments, many splits at batch 1), it
-is what runs in eager calls, in compiled graphs and in CUDA-graph replays, and the switch
-``attention_sm90.disabled()`` (what ``dsv4_ops.export`` traces under) gives the Triton kernel
-back. A model at V4's attention widths decodes with it within bf16 noise of the Triton path."""
+is what runs in eager calls, in compiled graphs and in CUDA-graph replays, it steps aside while
+torch exports (AOTInductor packages keep the Triton kernel), and with the route off the Triton kernel
+runs instead. A model at V4's attention widths decodes with it within bf16 noise of the Triton path."""
 import contextlib
 import re
 
@@ -16,6 +16,7 @@ import dsv4_ops
 from dsv4_ops import DSV4Config, Generator
 from dsv4_ops.ops import attention_sm90 as sm90
 from model_util import random_model
+from routes import triton_attention
 
 I32 = torch.int32
 SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0)
@@ -97,7 +98,7 @@ def test_the_kernel_matches_the_oracle_at_forced_splits(case, splits, tol):
     args = flash_inputs(**{**CASES, **EDGE_CASES}[case])
     out = sparse_attention_gluon(*args, num_splits=splits)
     torch.testing.assert_close(out.double(), oracle(*args), **tol(torch.bfloat16))
-    with sm90.disabled():
+    with triton_attention():
         other = dsv4_ops.sparse_attention(*args)
     assert (out.float() - other.float()).abs().max() <= 1e-2
 
@@ -171,9 +172,9 @@ def _check_route(args, tol):
     assert sm90.stats["launches"] == before + 1, "the Gluon kernel did not run"
     assert out.shape == args[0].shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     torch.testing.assert_close(out.double(), oracle(*args), **tol(torch.bfloat16))
-    with sm90.disabled():
+    with triton_attention():
         triton_out = dsv4_ops.sparse_attention(*args)
-    assert sm90.stats["launches"] == before + 1, "disabled() still ran the Gluon kernel"
+    assert sm90.stats["launches"] == before + 1, "the Triton route ran the Gluon kernel"
     # two fp32 softmaxes over the same bf16 rows: they differ by the rounding of P to bf16
     assert (out.float() - triton_out.float()).abs().max() <= 1e-2
 
@@ -224,12 +225,18 @@ def check_compiled_and_graphed(make_args):
     torch._dynamo.reset()
 
 
-def test_traced_under_disabled_the_graph_keeps_the_triton_kernel():
-    """What ``dsv4_ops.export`` relies on: a graph traced under ``disabled()`` never calls the
-    Gluon op (AOTInductor's C++ runtime could not), and computes the Triton kernel's bits."""
-    torch._dynamo.reset()
+def test_the_route_steps_aside_while_torch_exports_and_graphs_then_keep_the_triton_kernel():
+    """What ``dsv4_ops.export`` relies on: while torch exports (``torch.export`` and AOTInductor's compile, where
+    ``torch.compiler.is_exporting()`` is true) the route does not apply, so a package never calls the Gluon op (its
+    C++ runtime could not); with the route off, a compiled graph computes the Triton kernel's bits."""
     args = flash_inputs(B=4, prefix=256, seed=3)
-    with sm90.disabled():
+    assert sm90.applies(*args[:6])
+    from torch._export.utils import _compiling_state_context  # what both enter
+
+    with _compiling_state_context():
+        assert torch.compiler.is_exporting() and not sm90.applies(*args[:6])
+    torch._dynamo.reset()
+    with triton_attention():
         want = torch.ops.dsv4.sparse_attention(*args)
         fn = torch.compile(torch.ops.dsv4.sparse_attention, fullgraph=True)
         before = sm90.stats["launches"]
@@ -309,7 +316,7 @@ def check_model_decode(kv_cache_dtype):
         gluon = model_test_decode(Generator(m, compile=False, **kw))
     print(f"{kv_cache_dtype} cache: Gluon launches over {DECODE_STEPS} decode steps of 3 layers: {len(calls)}")
     assert len(calls) >= 2 * DECODE_STEPS  # the CSA and HCA layers, every step
-    with sm90.disabled():
+    with triton_attention():
         triton = model_test_decode(Generator(m, compile=False, **kw))
         # the kernel on the model's own inputs (its caches, strides, -1 holes and split counts):
         # within bf16 rounding of the Triton kernel, call by call, where no upstream noise can hide

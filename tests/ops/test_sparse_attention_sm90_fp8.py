@@ -3,7 +3,7 @@
 ``lowering/gluon/sparse_attention_fp8.py``): its output equals the float64 oracle on the
 dequantised caches within bf16's tolerance for FP8 mode 2 (FP8 window and pool pages) and mode 1
 (a bf16 window, an FP8 pool), every entry kind and empty segments; it is what runs eagerly, in
-compiled graphs and in CUDA-graph replays, and ``attention_sm90.disabled()`` gives the Triton FP8
+compiled graphs and in CUDA-graph replays, and with the route off the Triton FP8
 kernel back. A model at V4's attention widths with ``kv_cache_dtype="fp8"`` decodes with it within
 bf16 noise of the Triton route."""
 import pytest
@@ -12,6 +12,7 @@ import torch
 import dsv4_ops
 from dsv4_ops.ops import attention_sm90 as sm90
 from dsv4_ops.reference import fp8_cache as fp8
+from routes import triton_attention
 from test_sparse_attention_sm90 import SM90, check_compiled_and_graphed, check_model_decode, oracle
 
 I32 = torch.int32
@@ -100,9 +101,9 @@ def test_fp8_caches_take_the_gluon_route_and_match_the_reference(case, tol, any_
     assert sm90.stats["launches"] == before + 1, "the Gluon FP8 kernel did not run"
     assert out.shape == args[0].shape and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), oracle(*dequantised(args)), **tol(torch.bfloat16))
-    with sm90.disabled():
+    with triton_attention():
         triton_out = dsv4_ops.sparse_attention(*args)
-    assert sm90.stats["launches"] == before + 1, "disabled() still ran the Gluon kernel"
+    assert sm90.stats["launches"] == before + 1, "the Triton route ran the Gluon kernel"
     # the same decoded bf16 rows and 32-row blocks: the two differ by fp32 summation order
     assert (out.float() - triton_out.float()).abs().max() <= 1e-2
 

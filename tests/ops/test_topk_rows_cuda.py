@@ -4,7 +4,7 @@ picks equal the stable sort's (descending score, ties to the lower index, -1 pas
 ``min(topk, visible)``) on rows with heavy ties, signed zeros, -inf scores, every register-row size
 it is built for, rows whose candidates overflow its shared list and unaligned rows; bad input is a
 ValueError naming the argument and the limit; it is what eager calls, compiled graphs and CUDA-graph
-replays run, equal to the Triton top-k that ``topk_cuda.disabled()`` gives back."""
+replays run, equal to the Triton top-k that runs with the route off."""
 import re
 
 import pytest
@@ -13,6 +13,7 @@ from torch.library import opcheck
 
 import dsv4_ops
 from dsv4_ops.ops import topk_cuda
+from routes import triton_topk
 from dsv4_ops.lowering.triton import indexer as ix
 
 NVIDIA = torch.cuda.is_available() and torch.version.hip is None
@@ -218,7 +219,7 @@ def test_indexer_topk_routes_here_and_equals_the_triton_topk():
     q, w, keys, visible = indexer_inputs(4, 8258)
     got, calls = cuda_topk_calls(lambda: dsv4_ops.indexer_topk(q, w, keys, visible, 512))
     assert calls == 1
-    with topk_cuda.disabled():
+    with triton_topk():
         want, calls = cuda_topk_calls(lambda: dsv4_ops.indexer_topk(q, w, keys, visible, 512))
     assert calls == 0
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -8,7 +8,7 @@ C++; its fake kernel is ``dsv4_ops/ops/topk_cuda.py``'s). Where it is absent or 
 ops keep their Triton kernels.
 
 The same file serves the C++ runner of exported packages (``build/dsv4_run --library PATH``):
-it links no libtorch_python. ``python -c "import dsv4_ops._native as n; print(n.library_path())"``
+it links no libtorch_python. ``python -c "import dsv4_ops.native as n; print(n.library_path())"``
 prints its path.
 """
 from __future__ import annotations
