@@ -156,7 +156,7 @@ if __name__ == "__main__":
         version="0.1.0",
         description="torch.compile-native operators and runtime for DeepSeek-V4 attention",
         packages=find_packages(include=["dsv4_ops", "dsv4_ops.*"]) + ["dsv4_ops.lowering", "dsv4_ops.lowering.triton",
-                                                                     "dsv4_ops.lowering.gluon"],
+                                                                     "dsv4_ops.lowering.gluon", "dsv4_ops.lowering.aten"],
         package_dir={"dsv4_ops.lowering": "lowering"},
         python_requires=">=3.10",
         install_requires=["torch>=2.11", "triton>=3.6"],

@@ -277,6 +277,17 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
                    method=t.method, tokens_per_s=batch * prompt_len / t.ms * 1e3, first_call_s=first, **setup)
     log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {chunk}): {prefill['tokens_per_s']:.0f} tok/s "
         f"({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
+    prefills = [prefill]
+    for other_chunk in args.extra_prefill_chunks if mode != "aoti" else ():
+        other = Generator(model, max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=other_chunk,
+                          kv_cache_dtype=kv_cache_dtype, **MODES[mode])
+        first = first_call_s(lambda: other.prefill(p), dev)
+        t = time_call(lambda: other.prefill(p), dev, warmup=1, iters=args.prefill_samples, sync_each=True)
+        prefills.append(dict(prefill, chunk=other_chunk, ms=t.ms, samples=t.samples, method=t.method,
+                             tokens_per_s=batch * prompt_len / t.ms * 1e3, first_call_s=first))
+        log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {other_chunk}): {prefills[-1]['tokens_per_s']:.0f} "
+            f"tok/s ({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
+        del other
     rows = []
     for ctx in contexts:
         p = prompts(ctx)
@@ -302,7 +313,7 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
     release(dev)
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
-    return rows, prefill
+    return rows, prefills
 
 
 def bench_hf(cfg, batch: int, ctx: int, dtype, device, args, log, chunk: int) -> dict:
@@ -377,6 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=None,
                     help="prefill prompt tokens at batch 1 (a quarter of it per row at batch > 1; default 4096)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: 512 at batch 1, else 64")
+    ap.add_argument("--extra-prefill-chunks", type=int, nargs="*", default=[],
+                    help="also time the prefill with these chunk sizes (a Generator each; e.g. 64, the default's)")
     ap.add_argument("--prefill-samples", type=int, default=None, help="timed prefill calls (default 5; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="decode calls after the first (compiling) one, untimed (default 5; smoke 1)")
@@ -445,9 +458,9 @@ def main(argv=None, log=None) -> dict:
                 if ctx not in jobs[(m, B, kv)]:
                     jobs[(m, B, kv)].append(ctx)
     for (mode, B, kv), contexts in jobs.items():
-        rows, prefill = bench_engine(model, cfg, mode, B, contexts, args, log, kv)
+        rows, prefills = bench_engine(model, cfg, mode, B, contexts, args, log, kv)
         results["decode"] += [dict(r, kv_cache_dtype=kv) for r in rows]
-        results["prefill"].append(dict(prefill, kv_cache_dtype=kv))
+        results["prefill"] += [dict(prefill, kv_cache_dtype=kv) for prefill in prefills]
         save()
     del model
     release(device)

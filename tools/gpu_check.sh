@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check on the GPU box (the device tool runs it in the checkout):  bash tools/gpu_check.sh MODE [MODE ...]
 #
-#   tests   the `gpu` tests (pytest -m gpu, xdist), then `python -m dsv4_ops demo`   -> gpu_tests.log, demo.log
+#   tests   the `gpu` tests (pytest -m gpu, xdist), the Triton kernels' tests on this GPU, then the demo
+#                                                                                     -> gpu_tests.log, demo.log
 #   files   the test files in $TESTS, gpu and cpu tests alike, on the GPU               -> files_tests.log
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
@@ -60,10 +61,13 @@ for what in "$@"; do
   case $what in
     tests)
       # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
-      # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker
+      # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker. Then the
+      # Triton kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
+      kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/test_triton_interp*.py 2>/dev/null)
       { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
-        OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n 6} \
-          -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1; } 2>&1 \
+        OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} \
+          -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1
+        python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} -m "not gpu" $kernel_tests -p no:cacheprovider || rc=1; } 2>&1 \
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
       python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;
     files) python3 -m pytest -q -m "gpu or not gpu" ${TESTS:?set TESTS to the test files} -p no:cacheprovider 2>&1 \
