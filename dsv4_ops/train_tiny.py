@@ -83,8 +83,9 @@ PRESETS = {
             yarn_original_max_position_embeddings=256, n_routed_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=96, num_nextn_predict_layers=1),
         seq_len=256, batch=8, steps=1500, lr=3e-3, eval_tokens=65536),
-    # one H200, ~4-5 min in bf16: V4-Flash ratios (window 128, CSA m=4 + indexer, HCA m=128,
-    # two sliding hash-MoE layers first), 64 experts top-6, MTP
+    # one H200 in bf16, run with --time-limit 4.5 (minutes; the step count is then only a cap):
+    # V4-Flash ratios (window 128, CSA m=4 + indexer, HCA m=128, two sliding hash-MoE layers
+    # first), 64 experts top-6, MTP
     "gpu": dict(
         model=_model(
             8192, 512, num_hidden_layers=8, layer_types=[SLIDING, SLIDING, CSA, HCA, CSA, HCA, CSA, HCA],
@@ -93,7 +94,7 @@ PRESETS = {
             sliding_window=128, csa_ratio=4, hca_ratio=128, index_n_heads=16, index_head_dim=64, index_topk=64,
             yarn_original_max_position_embeddings=4096, n_routed_experts=64, num_experts_per_tok=6,
             moe_intermediate_size=256, num_nextn_predict_layers=1),
-        seq_len=1024, batch=32, steps=1500, lr=2e-3, eval_tokens=262144),
+        seq_len=1024, batch=16, steps=3000, lr=2e-3, eval_tokens=262144),
     # seconds on a CPU: the determinism test's
     "micro": dict(
         model=_model(
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-files", type=int, default=None, help="train on the first N training files only")
     args = p.parse_args(argv)
 
-    t_start = time.perf_counter()
+    t_start, commit = time.perf_counter(), _commit()  # before anything is written (--out may be in the repo)
     preset = PRESETS[args.preset]
     steps, batch = args.steps or preset["steps"], args.batch or preset["batch"]
     seq_len, lr = args.seq_len or preset["seq_len"], args.lr or preset["lr"]
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dict(
         command="python -m dsv4_ops.train_tiny " + " ".join(argv if argv is not None else sys.argv[1:]),
         preset=args.preset, seed=args.seed, steps=steps, batch=batch, seq_len=seq_len, lr=lr, device=str(device),
-        dtype=dtype, threads=torch.get_num_threads(), commit=_commit(), machine=_machine(device),
+        dtype=dtype, threads=torch.get_num_threads(), commit=commit, machine=_machine(device),
         corpus=dict(root=str(args.corpus or sysconfig.get_paths()["stdlib"]), train_files=len(train_texts),
                     heldout_files=len(heldout_texts), train_tokens=len(train_ids), heldout_tokens=len(heldout_ids),
                     split=f"crc32(path relative to the root) % {HELDOUT_EVERY} == 0 is held out"),
