@@ -343,8 +343,7 @@ def train(hf, ours, cfg: DSV4Config, stream: Tensor, *, steps: int, batch: int, 
                              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     g = torch.Generator().manual_seed(seed + 1)
-    log_every = max(1, steps // 40)
-    history, seen, step, progress = [], 0, 0, 0.0
+    history, seen, step, progress, next_log = [], 0, 0, 0.0, 0.0  # a log line per 1/40 of the run
     torch.set_flush_denormal(True)  # tiny Adam moments and softmax tails would otherwise go subnormal (slow on CPUs)
     t0 = time.perf_counter()
     try:
@@ -364,7 +363,8 @@ def train(hf, ours, cfg: DSV4Config, stream: Tensor, *, steps: int, batch: int, 
             step, seen = step + 1, seen + ids.numel()
             elapsed = time.perf_counter() - t0
             progress = step / steps if time_limit_s is None else max(step / steps, elapsed / time_limit_s)
-            if step == 1 or step % log_every == 0 or progress >= 1.0:
+            if progress >= next_log or progress >= 1.0:
+                next_log = (math.floor(progress * 40) + 1) / 40
                 row = dict(step=step, loss=main.item(), mtp_loss=mtp.item(), indexer_kl=idx.item(),
                            tokens_per_s=seen / elapsed, elapsed_s=elapsed)
                 history.append(row)
