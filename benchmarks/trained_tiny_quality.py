@@ -58,12 +58,12 @@ def fp8(model, windows: torch.Tensor, prompts, new: int) -> None:
           f"perplexity {ppl[1]:.3f} vs {ppl[0]:.3f} (fp32 cache), same argmax at {same:.2%} of positions")
     kw = dict(max_batch_size=len(prompts), max_seq_len=len(prompts[0]) + new, compile=False)
     a = Generator(model, **kw).generate(prompts, max_new_tokens=new)
-    b = Generator(model, kv_cache_dtype="fp8", **kw).generate(prompts, max_new_tokens=new)
-    for i, (x, y) in enumerate(zip(a, b)):
-        diff = [j for j in range(new) if x[j] != y[j]]
-        first = diff[0] if diff else None
-        print(f"  greedy continuation {i} ({new} tokens), kv_cache_dtype='fp8' vs fp32: {len(diff) / new:.1%} of "
-              f"tokens differ, first difference at token {first}")
+    for cache in ("bf16", "fp8"):
+        b = Generator(model, kv_cache_dtype=cache, **kw).generate(prompts, max_new_tokens=new)
+        for i, (x, y) in enumerate(zip(a, b)):
+            diff = [j for j in range(new) if x[j] != y[j]]
+            print(f"  greedy continuation {i} ({new} tokens), kv_cache_dtype={cache!r} vs fp32: {len(diff) / new:.1%} "
+                  f"of tokens differ, the first at token {diff[0] if diff else None}")
 
 
 def routing(model, windows: torch.Tensor) -> dict[int, tuple[float, float]]:
