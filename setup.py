@@ -158,8 +158,9 @@ if __name__ == "__main__":
         packages=find_packages(include=["dsv4_ops", "dsv4_ops.*"]) + ["dsv4_ops.lowering", "dsv4_ops.lowering.triton",
                                                                      "dsv4_ops.lowering.gluon", "dsv4_ops.lowering.aten"],
         package_dir={"dsv4_ops.lowering": "lowering"},
+        package_data={"dsv4_ops": ["assets/tiny/*"]},  # the bundled trained model (dsv4_ops.pretrained.tiny())
         python_requires=">=3.10",
-        install_requires=["torch>=2.11", "triton>=3.6"],
+        install_requires=["torch>=2.11", "triton>=3.6", "tokenizers", "safetensors"],
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

@@ -25,11 +25,14 @@ def _export(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv4_ops", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="tiny model: prefill + greedy generate, eager vs compiled (vs CUDA graphs)")
+    demo = sub.add_parser("demo", help="the bundled trained tiny model writing Python: greedy, sampled, speculative; "
+                                       "eager vs compiled (vs CUDA graphs)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--model", default=None, help="checkpoint directory with a tokenizer.json and training.json "
+                                                    "(default: dsv4_ops.pretrained.tiny())")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
-    demo.add_argument("--spec-steps", type=int, default=0, help="also run MTP speculative decoding with k drafts")
+    demo.add_argument("--spec-steps", type=int, default=2, help="MTP draft tokens of the speculative runs (0: none)")
     export = sub.add_parser("export", help="write an AOTInductor .pt2 package (prefill + decode programs)",
                             description="Export a model as one .pt2 package for dsv4_ops.AOTIGenerator and the "
                                         "C++ runner build/dsv4_run.")
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         from .demo import run
 
-        return run(args.device, args.max_new_tokens, compile=not args.no_compile, spec_steps=args.spec_steps)
+        return run(args.device, args.max_new_tokens, compile=not args.no_compile, spec_steps=args.spec_steps,
+                   model_path=args.model)
     if args.cmd == "export":
         return _export(args)
     if args.cmd == "info":

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "hash_uniform", "filter_logits", "sample", "sample_with_probs", "probs",
+__all__ = ["SamplingParams", "hash_uniform", "uniform_from_bits", "filter_logits", "sample", "sample_with_probs", "probs",
            "draw_from_probs", "STREAM_SAMPLE", "STREAM_DRAFT", "STREAM_ACCEPT", "STREAM_RESIDUAL"]
 
 # independent random streams: the same (seed, position, token) gives unrelated numbers per use
@@ -64,9 +64,17 @@ def hash_uniform(seed: Tensor, pos: Tensor, token: Tensor, stream: int) -> Tenso
     h = _mix(h ^ ((seed >> 32) & _M32))
     h = _mix(((h + _GOLDEN) & _M32) ^ (pos.long() & _M32))
     h = _mix(((h + _GOLDEN) & _M32) ^ (token.long() & _M32))
-    h = _mix((h + _GOLDEN) & _M32)
-    # 24 random bits -> the centre of one of 2**24 equal cells: exact in float32, never 0 or 1
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return uniform_from_bits(_mix((h + _GOLDEN) & _M32))
+
+
+def uniform_from_bits(h: Tensor) -> Tensor:
+    """32-bit hashes (int64 in ``[0, 2**32)``) -> float32 uniforms in the open interval (0, 1).
+
+    The top 23 bits pick one of 2**23 equal cells and the value is its centre, ``(i + 0.5) / 2**23``:
+    exact in float32 (24 significant bits), so never 0 or 1. NOTE: 24 bits were used before; their
+    centres above 2**23 need 25 bits, and the last one rounded to exactly 1.0, a +inf Gumbel
+    noise that drew a token outside the top-k (found by the trained model's sampling test)."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _gumbel(seed: Tensor, pos: Tensor, vocab: int, stream: int) -> Tensor:

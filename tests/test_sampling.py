@@ -20,6 +20,7 @@ import torch
 from dsv4_ops import DSV4Config, Generator, sampling, speculative
 from dsv4_ops.sampling import SamplingParams
 from model_util import random_model
+from stats_util import chi_square_p
 
 P_MIN = 1e-4
 PROMPTS = [[3, 1, 4, 1, 5], list(range(20)), [7] * 9]
@@ -33,17 +34,6 @@ def params(B, temperature=1.0, top_k=0, top_p=1.0, seed=0) -> SamplingParams:
 
     return SamplingParams(col(temperature, torch.float32), col(top_k, torch.int64), col(top_p, torch.float32),
                           col(seed, torch.int64))
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square goodness-of-fit p-value of ``counts`` against ``probs`` (cells with
-    zero probability must have zero counts and are left out)."""
-    assert counts[probs == 0].sum() == 0, "a zero-probability token was drawn"
-    n, keep = counts.sum(), probs > 0
-    expected = probs[keep].double() * n
-    stat = ((counts[keep].double() - expected) ** 2 / expected).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 # --------------------------------------------------------------------------------------
@@ -97,6 +87,15 @@ def test_uniforms_are_deterministic_and_open_interval() -> None:
     assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
     assert not torch.equal(u, sampling.hash_uniform(seed, pos, tok, sampling.STREAM_DRAFT))
     assert not torch.equal(u, sampling.hash_uniform(seed, pos + 1, tok, sampling.STREAM_SAMPLE))
+
+
+def test_uniforms_stay_inside_the_open_interval_at_the_extreme_hashes() -> None:
+    """Every 32-bit hash maps strictly inside (0, 1), the largest too (a uniform of exactly 1 is
+    an infinite Gumbel noise: it drew tokens outside the top-k on the trained model)."""
+    h = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 512, 2**32 - 1])
+    u = sampling.uniform_from_bits(h)
+    assert u.dtype == torch.float32 and bool(((u > 0) & (u < 1)).all())
+    assert u[0] == u[1] and u[-2] == u[-1] < 1 and u[2] < u[3]
 
 
 def test_greedy_rows_take_the_argmax_and_tiny_temperature_converges_to_it() -> None:
