@@ -15,7 +15,7 @@ import time
 import torch
 
 from . import pretrained
-from .checkpoint import load_pretrained
+from .checkpoint import load_checkpoint
 from .generator import Generator
 from .progress import Progress
 
@@ -42,7 +42,7 @@ def run(device: str | None = None, max_new_tokens: int = 48, compile: bool = Tru
         model_path: str | None = None) -> int:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     path = model_path or pretrained.tiny()
-    model = load_pretrained(path, device=device)
+    model = load_checkpoint(path, device=device)
     tok = pretrained.tokenizer(path)
     print(f"dsv4_ops demo: a trained tiny DeepSeek-V4 on device={device}, torch {torch.__version__}")
     print("  model: " + pretrained.describe(path).replace("\n", "\n  "))

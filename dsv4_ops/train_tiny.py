@@ -484,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     save_checkpoint(out, hf, ours, tok, cfg)
     del hf
-    from .checkpoint import load_pretrained
+    from .checkpoint import load_checkpoint
 
-    model = load_pretrained(out, device=device)  # evaluate exactly what was written
+    model = load_checkpoint(out, device=device)  # evaluate exactly what was written
     unigram = unigram_log_probs(train_ids, cfg.vocab_size)
     ev = evaluate(model, heldout_ids, seq_len, batch, eval_tokens, unigram)
     print(f"held-out ({ev['heldout_tokens']} tokens): perplexity {ev['heldout_ppl']:.2f}, unigram baseline "
