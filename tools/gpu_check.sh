@@ -25,7 +25,7 @@
 # expecttest) are installed to /tmp/site first. The package (and its CUDA extension) is built in place once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
 [ $# -gt 0 ] || set -- tests
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -46,12 +46,14 @@ quiet() { grep --line-buffered -v -e Warning -e warnings.warn -e "Online softmax
   -e "important use case" -e "^softmax\.$" -e '^\s*$'; }
 # flash_b1 TREE NAME: the Flash slice's batch-1 step inside generate at 4K and 32K, with TREE's code
 flash_b1() {
-  (cd "$1" && PYTHONPATH=${PYTHONPATH/$PWD/$1} python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks \
+  local path=${PYTHONPATH/$PWD/$1}
+  (cd "$1" && PYTHONPATH=$path python3 benchmarks/bench_spec.py --config flash-slice --batches 1 --ks \
     --context 4096 32768 --samples 5 --new-tokens 8 264 --out "$OUT/$2.json") 2>&1 | quiet | grep -e "plain decode" -e rror
 }
 # attn_grid TREE NAME: the attention and indexer ops' grid at V4-Flash widths, bf16 and FP8 caches, with TREE's code
 attn_grid() {
-  (cd "$1" && PYTHONPATH=${PYTHONPATH/$PWD/$1} python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk \
+  local path=${PYTHONPATH/$PWD/$1}
+  (cd "$1" && PYTHONPATH=$path python3 benchmarks/bench_ops.py --kernels sparse_attention indexer_topk \
     --shapes flash --batches 1 64 128 --contexts 32K --kv-cache-dtype bf16 fp8 --no-ref --no-plot \
     --out "$OUT/$2") 2>&1 | quiet | grep -e "^|" -e rror
 }
@@ -93,7 +95,7 @@ for what in "$@"; do
              (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { rc=1; tail -5 "$OUT/flashmla_build.log"; }
              python3 benchmarks/bench_flashmla.py --flashmla "$FLASHMLA" --out "$OUT/bench_flashmla.json" || rc=1
            fi; } 2>&1 | quiet | tee "$OUT/bench_ops.log" | grep -e "^|" -e rror -e FlashMLA ;;
-    ab) base=${BASE:?set BASE to the other tree}
+    ab) base=$(realpath "${BASE:?set BASE to the other tree}")
         for round in $(seq "${ROUNDS:-1}"); do
           for tree in "$base" "$PWD"; do
             name=$([ "$tree" = "$PWD" ] && echo head || echo base)
