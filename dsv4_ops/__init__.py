@@ -28,6 +28,7 @@ _expose_checkout_lowering()
 
 from . import ops  # noqa: E402  (registers every torch.ops.dsv4 op)
 from . import pretrained  # noqa: E402  (dsv4_ops.pretrained.tiny(): the bundled trained model)
+from . import text  # noqa: E402  (tokenizer, chat format, streaming detokenisation)
 from .config import DSV4Config
 from .aoti_generator import AOTIGenerator
 from .aoti_export import export
@@ -37,4 +38,4 @@ from .model.model import DeepseekV4ForCausalLM
 from .ops import Plan, cache_write, compress, indexer_topk, plan, sinkhorn, sparse_attention  # noqa: F401
 
 __all__ = ["AOTIGenerator", "DSV4Config", "DeepseekV4ForCausalLM", "Generator", "export", "from_hf",
-           "load_pretrained", "ops", "pretrained"]
+           "load_pretrained", "ops", "pretrained", "text"]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dsv4_ops {demo,export,info}``."""
+"""Command line: ``python -m dsv4_ops {demo,generate,export,info}``."""
 from __future__ import annotations
 
 import argparse
@@ -22,8 +22,15 @@ def _export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit code 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsv4_ops", description=__doc__)
+    parser = _Parser(prog="python -m dsv4_ops", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="the bundled trained tiny model writing Python: greedy, sampled, speculative; "
                                        "eager vs compiled (vs CUDA graphs)")
@@ -33,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--no-compile", action="store_true", help="eager only (fast)")
     demo.add_argument("--spec-steps", type=int, default=2, help="MTP draft tokens of the speculative runs (0: none)")
+    from .text import generate_cli
+
+    generate = sub.add_parser("generate", help="one prompt in, its answer streamed out (text; --chat for the chat "
+                                               "format)", description=generate_cli.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate_cli.add_arguments(generate)
     export = sub.add_parser("export", help="write an AOTInductor .pt2 package (prefill + decode programs)",
                             description="Export a model as one .pt2 package for dsv4_ops.AOTIGenerator and the "
                                         "C++ runner build/dsv4_run.")
@@ -47,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--dtype", default=None, help="weights dtype for a checkpoint (e.g. bfloat16)")
     export.add_argument("--seed", type=int, default=0, help="random weights of --config tiny")
     sub.add_parser("info", help="versions, devices and the registered ops")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
 
+    if args.cmd == "generate":
+        return generate_cli.run(args)
     if args.cmd == "demo":
         from .demo import run
 

@@ -13,7 +13,7 @@ stats. Each subclass supplies the steps:
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -212,32 +212,80 @@ class GenerationLoop:
         Syncs: greedy and sampled decoding read the tokens back once at the end; with stop ids the
         loop also reads a device-side "all rows done" flag every ``DONE_POLL_STEPS`` steps (and
         stops early when it is set). Speculative decoding reads each step's tokens (as before)."""
-        rows = check_prompts(prompts, self.max_batch_size, self.max_seq_len, self.vocab_size, "generate")
+        rows, args = self._check_generate(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                                          "generate")
+        first, params, pos0 = self._begin(rows, args)
+        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
+        if self.speculative:
+            out = self._generate_spec(first, args, params)
+        else:
+            out = self._generate_plain(first, args, params, pos0)
+        self._count_loop(t0, compile_before, sum(len(o) - 1 for o in out))
+        return out
+
+    def stream(self, prompt: Sequence[int], max_new_tokens: int = 32, *, temperature=None, top_k=None, top_p=None,
+               seed=None, eos_token_id=None) -> Iterator[list[int]]:
+        """One prompt's new tokens as they are made: an iterator over each step's tokens (one per
+        decode step; with ``spec_steps > 0`` the 1 to k+1 tokens a speculative step emits).
+        Joined, they are ``generate([prompt], max_new_tokens, ...)[0]``, for greedy and seeded
+        sampling alike. The keywords are ``generate``'s, for one prompt, and are checked now,
+        before the first step runs.
+
+        Syncs once per step, to hand the step's tokens over. Leaving the loop early (or closing
+        the iterator) is fine: the next ``prefill`` or ``generate`` starts afresh."""
+        rows, args = self._check_generate([prompt], max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                                          "stream")
+        return self._stream(rows, args)
+
+    def _stream(self, rows: list[Tensor], args: GenerateArgs) -> Iterator[list[int]]:
+        first, params, pos0 = self._begin(rows, args)
+        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
+        n, stops = 0, args.eos[0]
+        try:
+            if self.speculative:
+                for out in self._spec_rounds(first, args, params):
+                    new, n = out[0][n:], len(out[0])
+                    if new:
+                        yield new
+                return
+            tok = first
+            for t in range(args.max_new[0]):
+                if t:
+                    tok = self._pick(self._decode(tok), params, pos0 + t, args.filtered)
+                token = tok.tolist()[0]  # the step's one sync
+                n += 1
+                yield [token]
+                if token in stops:
+                    return
+        finally:
+            self._count_loop(t0, compile_before, max(n - 1, 0))
+
+    def _check_generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                        where: str) -> tuple[list[Tensor], GenerateArgs]:
+        rows = check_prompts(prompts, self.max_batch_size, self.max_seq_len, self.vocab_size, where)
         args = parse_generate_args(len(rows), self.vocab_size, max_new_tokens, temperature, top_k, top_p, seed,
                                    eos_token_id)
         for i, (r, n) in enumerate(zip(rows, args.max_new)):
             if len(r) + n - 1 > self.max_seq_len:
-                raise ValueError(f"generate: prompts[{i}] ({len(r)} tokens) + max_new_tokens ({n}) - 1 "
+                raise ValueError(f"{where}: prompts[{i}] ({len(r)} tokens) + max_new_tokens ({n}) - 1 "
                                  f"> max_seq_len {self.max_seq_len}")
         self._check_generate_args(args)
+        return rows, args
+
+    def _begin(self, rows: list[Tensor], args: GenerateArgs) -> tuple[Tensor, SamplingParams | None, Tensor]:
+        """Prefill the prompts and pick each row's first token -> ``(first [B], params, pos0 [bucket])``;
+        ``pos0`` is the position of each row's first new token."""
         logits = self.prefill(rows)
         B, bucket = len(rows), self._bucket
         params = args.params(bucket, self.device) if args.sampling else None
         pos0 = torch.zeros(bucket, dtype=torch.long)
         pos0[:B] = torch.tensor([len(r) for r in rows])
-        pos0 = pos0.to(self.device)  # the position of each row's first new token
-        first = self._pick(logits, params, pos0, args.filtered)
-        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
-        if self.speculative:
-            if params is not None:
-                self._start_drafts(first, sampling=True)  # prefill started them from the argmax
-            out = self._generate_spec(first, args, params)
-        else:
-            out = self._generate_plain(first, args, params, pos0)
-        emitted = sum(len(o) - 1 for o in out)
+        pos0 = pos0.to(self.device)
+        return self._pick(logits, params, pos0, args.filtered), params, pos0
+
+    def _count_loop(self, t0: float, compile_before: float, emitted: int) -> None:
         # throughput excludes time spent compiling inside the loop
         self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), emitted)
-        return out
 
     def _check_generate_args(self, args: GenerateArgs) -> None:
         """A subclass hook: reject settings it cannot run."""
@@ -287,10 +335,21 @@ class GenerationLoop:
     def _generate_spec(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None) -> list[list[int]]:
         """Speculative steps until every row has its tokens; finished rows sit out (their
         ``active`` flag is 0, so they write nothing and do not advance)."""
+        for out in self._spec_rounds(first, args, params):
+            pass
+        return out
+
+    def _spec_rounds(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None
+                     ) -> Iterator[list[list[int]]]:
+        """``_generate_spec``'s loop, yielding every row's tokens so far: after the first token,
+        then after each speculative step."""
         B, k = first.shape[0], self.spec_steps
+        if params is not None:
+            self._start_drafts(first, sampling=True)  # prefill started them from the argmax
         out = [_cut([t], n, stops) for t, n, stops in zip(first.tolist(), args.max_new, args.eos)]
         finished = [len(o) >= n or o[-1] in stops for o, n, stops in zip(out, args.max_new, args.eos)]
         self._spec_history_start = len(self.spec_history)
+        yield out
         while True:
             active = [int(not f) for f in finished] + [0] * (self._bucket - B)
             if not any(active):
@@ -309,7 +368,7 @@ class GenerationLoop:
             self._stats["decode_steps"] += 1
             self._stats["accepted_tokens"] += sum(counts) - n_act  # the bonus token is not a draft
             self._stats["drafted_tokens"] += k * n_act
-        return out
+            yield out
 
     @property
     def stats(self) -> dict:
