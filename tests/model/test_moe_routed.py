@@ -5,6 +5,8 @@ Specification:
   top-6, for hash and biased-top-k layers and both router scoring functions HF builds, at any
   token count, when every token routes to one expert, and when a hash row names an expert twice
   (that expert counts twice);
+* the experts run ``dsv4::moe_gemv``, which takes its kernel for a few assignments only, and get
+  exactly what the blocked path gets;
 * it compiles with fullgraph=True and equals eager; the token count is static (one graph per
   token count, as the Generator's buckets): replays with new tokens never recompile; with
   dynamic=True one graph serves every T*K <= E and one every T*K > E;
@@ -16,6 +18,7 @@ Specification:
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -27,7 +30,11 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config
 from dsv4_ops.model import MoE
 from dsv4_ops.lowering.aten.experts import experts_blocked, experts_grouped_mm, grouped_mm_supported
+from dsv4_ops.lowering.triton.moe_gemv import MAX_ASSIGNMENTS
+from dsv4_ops.model import moe
 from dsv4_ops.model.moe import Router
+
+moe_op = importlib.import_module("dsv4_ops.ops.moe_gemv")  # the module (dsv4_ops.ops.moe_gemv is the function)
 
 HASH, BIASED = 0, 1
 RTOL = 1e-5
@@ -189,6 +196,31 @@ def test_decode_reads_only_the_routed_experts(T):
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
 
 
+# ---- the experts run dsv4::moe_gemv --------------------------------------------------------------
+def test_experts_run_the_op_which_takes_the_kernel_for_few_assignments(monkeypatch):
+    experts = moe.Experts(8, 48, 24)
+    x, idx = torch.randn(2, 48), torch.randint(0, 8, (2, 6))
+    w = torch.rand(2, 6)
+    calls = []
+    real = torch.ops.dsv4.moe_gemv
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.dsv4, "moe_gemv", spy, raising=False)
+    with torch.no_grad():
+        got = experts(x, idx, w)
+    blocked = experts_blocked(x, idx, experts.gate_up_proj, experts.down_proj, experts.swiglu_limit)
+    torch.testing.assert_close(got, (blocked.view(2, 6, -1) * w.unsqueeze(-1)).sum(1), atol=0, rtol=0)  # CPU: blocked
+    assert len(calls) == 1
+    monkeypatch.setattr(moe_op, "use_triton", lambda t: True)  # as on a GPU
+    assert moe_op.takes_kernel(x, experts.gate_up_proj, 12)
+    assert not moe_op.takes_kernel(x, experts.gate_up_proj, 11 * 6)  # > MAX_ASSIGNMENTS: grouped / blocked
+    assert 11 * 6 > MAX_ASSIGNMENTS
+    assert not moe_op.takes_kernel(x.bfloat16(), experts.gate_up_proj, 12)  # dtype mismatch: not taken
+
+
 # ---- compile -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
 def test_compiles_fullgraph_one_graph_per_token_count(layer_idx):
@@ -275,7 +307,7 @@ def test_shared_experts_are_one_mlp_of_n_times_the_width():
 
 
 def test_whole_model_with_sigmoid_scoring_matches_hf():
-    from tests.hf_util import hf_and_ours as model_pair, rel
+    from hf_util import hf_and_ours as model_pair, rel
 
     ref, ours = model_pair(DSV4Config.tiny(scoring_func="sigmoid"), seed=12)
     ids = torch.randint(0, 256, (1, 9))
