@@ -5,7 +5,8 @@ batch 1 so HF padding semantics never enter. The parity tests run twice: ours on
 ours on CUDA (the Triton kernels; marked ``gpu``) against the same HF oracle on the CPU. Also the weight-loading paths (``from_hf``,
 ``load_state_dict``, ``load_pretrained`` of ``save_pretrained`` output) and a bf16 smoke test.
 
-Metric everywhere: ``||ours - hf|| / ||hf||`` per row per position (or per decode step) <= 1e-4.
+Metric everywhere: ``||ours - hf|| / ||hf||`` per row per position (or per decode step) within
+``hf_model_parity_fp32`` (conftest.TOLERANCES: 1e-4).
 """
 from __future__ import annotations
 
@@ -23,9 +24,6 @@ from dsv4_ops import DeepseekV4ForCausalLM, DSV4Config, Generator  # noqa: E402
 from dsv4_ops.config import CSA, HCA, SLIDING  # noqa: E402
 
 from hf_util import HFRow, hf_and_ours, make_hf, random_prompts, rel  # noqa: E402
-
-TOL = 1e-4
-BF16_TOL = 5e-2
 
 
 class Setup:
@@ -68,9 +66,9 @@ def tiny() -> Setup:
 
 
 def check_generator_vs_hf(S: Setup, prompts: list[list[int]], steps: int, tokens=None,
-                          device: torch.device = torch.device("cpu"), **gen_kwargs) -> float:
+                          device: torch.device = torch.device("cpu"), *, bound: float, **gen_kwargs) -> float:
     """Generator (ours on ``device``) prefill + ``steps`` decode steps vs per-row HF on the CPU;
-    every row, every step. Returns the worst relative error."""
+    every row, every step within ``bound`` (relative). Returns the worst relative error."""
     B = len(prompts)
     runs = [S.hf_run(p, None if tokens is None else tokens[b], steps) for b, p in enumerate(prompts)]
     gen_kwargs.setdefault("max_batch_size", B)
@@ -81,13 +79,13 @@ def check_generator_vs_hf(S: Setup, prompts: list[list[int]], steps: int, tokens
     assert got.shape == (B, S.cfg.vocab_size) and got.dtype == torch.float32
     for b, (prompt_logits, _, _) in enumerate(runs):
         e = rel(got[b], prompt_logits[-1])
-        assert e <= TOL, f"prefill row {b} (len {len(prompts[b])}): {e:.2e}"
+        assert e <= bound, f"prefill row {b} (len {len(prompts[b])}): {e:.2e}"
         worst = max(worst, e)
     for t in range(steps):
         got = gen.decode(torch.tensor([r[2][t] for r in runs])).cpu()
         for b, (_, outs, _) in enumerate(runs):
             e = rel(got[b], outs[t])
-            assert e <= TOL, f"decode step {t} row {b} (position {len(prompts[b]) + t}): {e:.2e}"
+            assert e <= bound, f"decode step {t} row {b} (position {len(prompts[b]) + t}): {e:.2e}"
             worst = max(worst, e)
     return worst
 
@@ -115,7 +113,7 @@ FULL_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(FULL_VARIANTS))
-def test_full_forward_matches_hf_at_every_position(variant: str, device) -> None:
+def test_full_forward_matches_hf_at_every_position(variant: str, device, tol) -> None:
     overrides, B, S = FULL_VARIANTS[variant]
     hf, ours = hf_and_ours(DSV4Config.tiny(**overrides), seed=list(FULL_VARIANTS).index(variant))
     ids = torch.randint(0, 256, (B, S))
@@ -125,56 +123,60 @@ def test_full_forward_matches_hf_at_every_position(variant: str, device) -> None
     assert got.shape == want.shape == (B, S, 256) and got.dtype == torch.float32
     errs = torch.tensor([[rel(got[b, s], want[b, s]) for s in range(S)] for b in range(B)])
     print(f"full forward {variant}: worst rel {errs.max():.2e}")
-    assert errs.max() <= TOL, f"worst {errs.max():.2e} at (row, position) {divmod(int(errs.argmax()), S)}"
+    assert errs.max() <= tol("hf_model_parity_fp32")["rel"], \
+        f"worst {errs.max():.2e} at (row, position) {divmod(int(errs.argmax()), S)}"
 
 
 # --------------------------------------------------------------------------------------
 # Generator: prefill + decode vs HF incremental
 # --------------------------------------------------------------------------------------
-def test_generator_ragged_batch_long_decode_matches_hf(tiny: Setup, device) -> None:
+def test_generator_ragged_batch_long_decode_matches_hf(tiny: Setup, device, tol) -> None:
     """Prompts {1, 5, 127, 128, 129, 300} in one ragged batch, then 300 decode steps (160 on the
     CPU, where HF's 6 x 300 eager steps alone took ~10 minutes of CI) of a fixed random token
     sequence per row: every row crosses window (16), CSA (4) and HCA (16) boundaries many times,
     and a 128-multiple (128, 256 or 384) either way."""
+    bound = tol("hf_model_parity_fp32")["rel"]
     lengths = [1, 5, 127, 128, 129, 300]
     steps = 300 if device.type == "cuda" else 160
     assert all((n + steps) // 128 > n // 128 for n in lengths)  # each row crosses a 128-multiple
     prompts = random_prompts(lengths, tiny.cfg.vocab_size, seed=1)
     tokens = random_prompts([steps] * len(lengths), tiny.cfg.vocab_size, seed=2)
-    worst = check_generator_vs_hf(tiny, prompts, steps, tokens, device, max_seq_len=640)
+    worst = check_generator_vs_hf(tiny, prompts, steps, tokens, device, max_seq_len=640, bound=bound)
     print(f"ragged batch, {steps} decode steps ({device.type}): worst rel {worst:.2e}")
     # the cache-free forward agrees with HF's prompt logits at every position of every prompt
     for b, p in enumerate(prompts):
         with torch.no_grad():
             got = tiny.ours_on(device)(torch.tensor([p], device=device))[0].cpu()
         want = tiny.hf_run(p, tokens[b], steps)[0]
-        assert max(rel(got[s], want[s]) for s in range(len(p))) <= TOL, len(p)
+        assert max(rel(got[s], want[s]) for s in range(len(p))) <= bound, len(p)
 
 
 @pytest.mark.parametrize("prefill_chunk", [16, 7])
-def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int, device) -> None:
+def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int, device, tol) -> None:
     """``prefill_chunk`` smaller than the prompts: same logits as HF's one-shot prefill, and the
     cache it leaves decodes identically."""
     prompts = random_prompts([45, 1, 16, 33], tiny.cfg.vocab_size, seed=3)
     tokens = random_prompts([24] * 4, tiny.cfg.vocab_size, seed=4)
-    worst = check_generator_vs_hf(tiny, prompts, 24, tokens, device, prefill_chunk=prefill_chunk, max_seq_len=96)
+    worst = check_generator_vs_hf(tiny, prompts, 24, tokens, device, prefill_chunk=prefill_chunk, max_seq_len=96,
+                                  bound=tol("hf_model_parity_fp32")["rel"])
     print(f"prefill_chunk={prefill_chunk}: worst rel {worst:.2e}")
 
 
-def test_generator_batch_of_one_greedy_matches_hf(tiny: Setup, device) -> None:
+def test_generator_batch_of_one_greedy_matches_hf(tiny: Setup, device, tol) -> None:
     """Batch 1, HF's own greedy tokens fed back, across the 16/32/48-position boundaries."""
     prompt = random_prompts([12], tiny.cfg.vocab_size, seed=5)
-    worst = check_generator_vs_hf(tiny, prompt, 60, device=device)
+    worst = check_generator_vs_hf(tiny, prompt, 60, device=device, bound=tol("hf_model_parity_fp32")["rel"])
     print(f"batch 1 greedy: worst rel {worst:.2e}")
 
 
-def test_real_hca_rate_128_matches_hf(device) -> None:
+def test_real_hca_rate_128_matches_hf(device, tol) -> None:
     """HCA at its real rate 128: prompts of 129 and 250 (and 1), decoding past 256 (and 384 for
     the 250 row), HF's greedy tokens fed to both."""
     S = Setup(DSV4Config.tiny(hca_ratio=128), seed=11)
     assert S.cfg.hca_ratio == 128 and HCA in S.cfg.layer_types
     prompts = random_prompts([129, 250, 1], S.cfg.vocab_size, seed=6)
-    worst = check_generator_vs_hf(S, prompts, 140, device=device, prefill_chunk=64)
+    worst = check_generator_vs_hf(S, prompts, 140, device=device, prefill_chunk=64,
+                                  bound=tol("hf_model_parity_fp32")["rel"])
     print(f"hca_ratio=128: worst rel {worst:.2e}")
 
 
@@ -275,12 +277,13 @@ FP32_ONLY = ("norm.weight", ".sinks", "attn_hc.", "ffn_hc.", "hc_head.", "positi
              "mlp.gate.weight")  # the last: the model keeps the router in fp32 too (model.py docstring)
 
 
-def test_bf16_model_runs_and_is_close_to_fp32(tmp_path) -> None:
+def test_bf16_model_runs_and_is_close_to_fp32(tmp_path, tol) -> None:
     """A bf16 model loaded from fp32 HF weights: fp32-only parameters stay fp32, prefill + decode
     run, and logits stay within a loose tolerance of the fp32 model's. Every expert is routed and
     index_topk covers every compressed entry here: with random weights, bf16 rounding flips
     near-tied top-k choices (HF's own bf16 model deviates as much, up to 0.5 at single positions),
     which would measure the random model's conditioning rather than our dtype handling."""
+    bf16_bound = tol("hf_model_parity_bf16")["rel"]
     cfg = DSV4Config.tiny(num_experts_per_tok=8, index_topk=64)
     hf, fp32 = hf_and_ours(cfg, seed=31)
     bf16 = DeepseekV4ForCausalLM(cfg, dtype=torch.bfloat16)
@@ -315,7 +318,7 @@ def test_bf16_model_runs_and_is_close_to_fp32(tmp_path) -> None:
     assert torch.isfinite(a).all()
     per_step = max(rel(a[t, r], b[t, r]) for t in range(len(a)) for r in range(3))
     print(f"bf16 vs fp32 generator: overall rel {rel(a, b):.2e}, worst row-step {per_step:.2e}")
-    assert rel(a, b) <= BF16_TOL and per_step <= 3 * BF16_TOL
+    assert rel(a, b) <= bf16_bound and per_step <= 3 * bf16_bound
 
     # cache-free forward: about as close as HF's own bf16 model (mixed precision as it loads)
     from transformers import DeepseekV4ForCausalLM as HFModel
@@ -328,4 +331,4 @@ def test_bf16_model_runs_and_is_close_to_fp32(tmp_path) -> None:
         want = fp32(ids)
         ours_err, hf_err = rel(bf16(ids), want), rel(hf16(input_ids=ids).logits.float(), want)
     print(f"bf16 full forward vs fp32: ours {ours_err:.2e}, HF bf16 {hf_err:.2e}")
-    assert ours_err <= BF16_TOL and ours_err <= 1.5 * hf_err
+    assert ours_err <= bf16_bound and ours_err <= 1.5 * hf_err

@@ -30,7 +30,6 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
     DeepseekV4RotaryEmbedding,
 )
 
-TOL = 1e-5
 LAYER_TYPES = [SLIDING, CSA, HCA]
 
 
@@ -208,35 +207,39 @@ def test_parameter_names_equal_hf(layers: Layers) -> None:
 # whole prompt
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("S", [1, 3, 4, 5, 16, 17, 70, 129])
-def test_full_prompt(layers: Layers, S: int) -> None:
+def test_full_prompt(layers: Layers, S: int, tol) -> None:
+    bound = tol("hf_parity_fp32")["rel"]
     xs = layers.x(1, S)
     want = HFRow(layers, use_cache=False)(xs)
     want_cached = HFRow(layers)(xs)  # HF's own cache path agrees with its cache-free path
     with torch.no_grad():
         for i, lt in enumerate(LAYER_TYPES):
-            assert rel(want_cached[i], want[i]) <= TOL, lt
-            assert rel(dense_attention(layers.ref[i], xs[i]), want[i]) <= TOL, f"dense oracle {lt}"
+            assert rel(want_cached[i], want[i]) <= bound, lt
+            assert rel(dense_attention(layers.ref[i], xs[i]), want[i]) <= bound, f"dense oracle {lt}"
     for chunk in (None, 7, 16, 1):
         got = RefBatch(layers, 1)(xs, torch.tensor([S]), chunk)
         for i, lt in enumerate(LAYER_TYPES):
-            assert rel(got[i], want[i]) <= TOL, f"incremental {lt} chunk={chunk}"
+            assert rel(got[i], want[i]) <= bound, f"incremental {lt} chunk={chunk}"
 
 
-def test_hf_chunked_prefill_matches_reference_chunks(layers: Layers) -> None:
+def test_hf_chunked_prefill_matches_reference_chunks(layers: Layers, tol) -> None:
     """HF's own chunked prefill (buffers carried in its cache) == our chunks == one shot."""
+    bound = tol("hf_parity_fp32")["rel"]
     S, chunk = 70, 13
     xs = layers.x(1, S)
     hf = HFRow(layers)
     want = [torch.cat(t, dim=1) for t in zip(*(hf([x[:, j : j + chunk] for x in xs]) for j in range(0, S, chunk)))]
     got = RefBatch(layers, 1)(xs, torch.tensor([S]), chunk)
     for i in range(3):
-        assert rel(got[i], want[i]) <= TOL
+        assert rel(got[i], want[i]) <= bound
 
 
 # --------------------------------------------------------------------------------------
 # decode after a prompt
 # --------------------------------------------------------------------------------------
-def run_prompt_then_decode(L: Layers, prompt: int, steps: int, chunk: int | None = None) -> float:
+def run_prompt_then_decode(L: Layers, prompt: int, steps: int, bound: float, chunk: int | None = None) -> float:
+    """A prompt, then ``steps`` decode steps, HF vs ours layer by layer: every decode step within ``bound``
+    (relative); returns the worst error."""
     hf, ref = HFRow(L), RefBatch(L, 1)
     xs = L.x(1, prompt)
     worst = 0.0
@@ -246,31 +249,35 @@ def run_prompt_then_decode(L: Layers, prompt: int, steps: int, chunk: int | None
         xs = L.x(1, 1)
         for i, (h, g) in enumerate(zip(hf(xs), ref(xs, torch.tensor([1])))):
             e = rel(g, h)
-            assert e <= TOL, f"{LAYER_TYPES[i]} at position {ref.lengths.item() - 1}: {e}"
+            assert e <= bound, f"{LAYER_TYPES[i]} at position {ref.lengths.item() - 1}: {e}"
             worst = max(worst, e)
     return worst
 
 
 @pytest.mark.parametrize("prompt", [1, 3, 4, 5, 127, 128, 129, 300])
-def test_decode_after_prompt(layers: Layers, prompt: int) -> None:
-    assert run_prompt_then_decode(layers, prompt, steps=20) <= TOL
+def test_decode_after_prompt(layers: Layers, prompt: int, tol) -> None:
+    bound = tol("hf_parity_fp32")["rel"]
+    assert run_prompt_then_decode(layers, prompt, 20, bound) <= bound
 
 
-def test_long_decode_crosses_many_hca_blocks(layers: Layers) -> None:
+def test_long_decode_crosses_many_hca_blocks(layers: Layers, tol) -> None:
     # positions 40..139: 6 HCA (m=16) and 25 CSA blocks close during decode
-    assert run_prompt_then_decode(layers, 40, steps=100, chunk=16) <= TOL
+    bound = tol("hf_parity_fp32")["rel"]
+    assert run_prompt_then_decode(layers, 40, 100, bound, chunk=16) <= bound
 
 
-def test_real_hca_rate_128(layers128: Layers) -> None:
+def test_real_hca_rate_128(layers128: Layers, tol) -> None:
+    bound = tol("hf_parity_fp32")["rel"]
     assert layers128.cfg.hca_ratio == 128
     # chunked prompt crossing 128 and 256, then decode across the block closing at 383
-    assert run_prompt_then_decode(layers128, 375, steps=12, chunk=100) <= TOL
+    assert run_prompt_then_decode(layers128, 375, 12, bound, chunk=100) <= bound
 
 
 # --------------------------------------------------------------------------------------
 # batch rows of different lengths
 # --------------------------------------------------------------------------------------
-def test_batched_ragged_rows_match_per_row_hf(layers: Layers) -> None:
+def test_batched_ragged_rows_match_per_row_hf(layers: Layers, tol) -> None:
+    bound = tol("hf_parity_fp32")["rel"]
     prompts = [5, 37, 20, 1]
     B = len(prompts)
     hf = [HFRow(layers) for _ in range(B)]
@@ -284,7 +291,7 @@ def test_batched_ragged_rows_match_per_row_hf(layers: Layers) -> None:
             want = hf[b]([x[b : b + 1, :n] for x in xs])
             for i in range(3):
                 e = rel(got[i][b : b + 1, :n], want[i])
-                assert e <= TOL, f"row {b} {LAYER_TYPES[i]} n={n}: {e}"
+                assert e <= bound, f"row {b} {LAYER_TYPES[i]} n={n}: {e}"
 
     check(layers.x(B, max(prompts)), prompts, chunk=16)  # ragged prefill, chunked
     for t in range(20):  # decode; row 2 sits out some steps (n_new = 0)

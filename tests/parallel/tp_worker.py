@@ -25,9 +25,10 @@ from dsv4_ops import DSV4Config, Generator, load_pretrained  # noqa: E402
 from dsv4_ops.config import SLIDING  # noqa: E402
 from dsv4_ops.model.plan import ring_sizes  # noqa: E402
 from dsv4_ops.parallel import ExpertShard, ShardLoadError, init_distributed, shard_model  # noqa: E402
+from conftest import tolerance  # noqa: E402  (the one tolerance table; this process is no pytest run)
 from model_util import random_model  # noqa: E402
 
-TOL = dict(atol=1e-5, rtol=1e-5)  # fp32 (conftest.TOLERANCES)
+TOL = tolerance("sharded_vs_single_process")
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]]
 DECODE_STEPS = 40  # past the window (16), an HCA block (16) and many CSA blocks (4)
 GEN = dict(max_batch_size=2, max_seq_len=96, prefill_chunk=8)

@@ -203,7 +203,7 @@ def test_sparse_attention_kernel_skips_out_of_range_indices(splits, poison, tol)
 @pytest.mark.parametrize("window_fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("rope, words", [(16, 1), (80, 0)], ids=["word_reader", "byte_reader"])
-def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits, rope, words):
+def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits, rope, words, tol):
     # rope within one 64-channel block: the word-wide reader (load_kv_entries); wider rope: the
     # per-channel byte gathers
     torch.manual_seed(3)
@@ -220,10 +220,10 @@ def test_fp8_sparse_attention_matches_the_reference(window_fp8, splits, rope, wo
     assert attn.attention_launches(*args, num_splits=splits).attention.meta["FP8_WORDS"] == words
     out = torch.full_like(want, float("nan"))
     got = attn.sparse_attention(*args, out=out, num_splits=splits)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
-def test_fp8_window_without_a_pool_matches_the_reference():
+def test_fp8_window_without_a_pool_matches_the_reference(tol):
     # a sliding-window layer of an FP8-cache model: FP8 window ring, no compressed entries (an
     # empty float pool), decode and split-KV (found on the H200: the launcher refused it)
     torch.manual_seed(4)
@@ -237,4 +237,4 @@ def test_fp8_window_without_a_pool_matches_the_reference():
     want = ref.sparse_attention(*args)
     for splits in (1, 2):
         got = attn.sparse_attention(*args, out=torch.full_like(want, float("nan")), num_splits=splits)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol(torch.float32))
