@@ -186,43 +186,51 @@ def check_no_spill(r: dict, target: str) -> None:
         assert res["private_segment_fixed_size"] == 0, res
 
 
-def kernel_tests(kernels, known_spills=frozenset()):
-    """The tests of a file's float-cache kernels, for its module fixture ``compiled``: each of ``kernels``
-    compiles for every target, and keeps its state in registers (no scratch / stack) at its V4 launch
-    config, but for the ``known_spills`` (``(target, kernel)`` pairs, measured and accepted: skipped
-    with that reason). Assign them to module names, which pytest collects:
-    ``test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)``."""
+def triton_cross_compile(test_file, module_name, launches):
+    """A Triton cross-compile test file's module fixture ``compiled``: its worker's entries by ``(target,
+    kernel)``, for every target. Run as a script (``module_name == "__main__"``), the file is that worker:
+    this compiles ``launches(backend)`` for the targets named on its command line, prints them and exits.
+    ``compiled = triton_cross_compile(__file__, __name__, _launches)``, below the file's ``_launches``."""
+    if module_name == "__main__":
+        triton_worker(launches, sys.argv[1:])
+        sys.exit(0)
+
+    @pytest.fixture(scope="module")
+    def compiled():
+        return compile_in_worker(test_file, *TARGETS)
+
+    return compiled
+
+
+def kernel_tests(kernels, known_spills=frozenset(), fp8=False):
+    """Two tests over each of ``kernels`` x every target, for the module fixture ``compiled``; assign
+    them to module names, which pytest collects. Each kernel compiles (``check_compiles``), and then:
+
+    * float-cache kernels (``test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)``)
+      keep their state in registers (no scratch / stack) at their V4 launch config, but for the
+      ``known_spills`` (``(target, kernel)`` pairs, measured and accepted: skipped with that reason);
+    * FP8-cache kernels (``test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory =
+      kernel_tests(FP8_KERNELS, fp8=True)``) fit one program's shared memory with their launch config (a
+      kernel over it compiles but raises OutOfResources at launch). The FP8 reads' byte gathers are
+      pipelined too: at D = 512 the bf16 attention config's 4 stages asked 240 KB on sm_90 (found on the
+      H200), so the FP8 attention config takes fewer, by ``attention_smem_bytes(..., fp8=FP8)``, which
+      bounds what the compiler asks.
+    """
     every = pytest.mark.parametrize("target, kernel", [(t, k) for t in TARGETS for k in kernels])
 
     @every
-    def test_kernel_compiles(compiled, target, kernel):
+    def compiles(compiled, target, kernel):
         check_compiles(compiled[(target, kernel)], target)
 
     @every
-    def test_kernel_does_not_spill(compiled, target, kernel):
+    def does_not_spill(compiled, target, kernel):
         """Every kernel at its V4 launch config keeps its state in registers (no scratch / stack)."""
         if (target, kernel) in known_spills:
             pytest.skip("known spill, measured and accepted (see KNOWN_SPILLS)")
         check_no_spill(compiled[(target, kernel)], target)
 
-    return test_kernel_compiles, test_kernel_does_not_spill
-
-
-def fp8_kernel_tests(kernels):
-    """The tests of a file's FP8-cache kernels (``fp8_*``), for its module fixture ``compiled``: each
-    compiles for every target, and its launch config fits one program's shared memory (a kernel over
-    it compiles but raises OutOfResources at launch). The FP8 reads' byte gathers are pipelined too: at
-    D = 512 the bf16 attention config's 4 stages asked 240 KB on sm_90 (found on the H200), so the FP8
-    attention config takes fewer, by ``attention_smem_bytes(..., fp8=FP8)``, which bounds what the
-    compiler asks. ``test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = fp8_kernel_tests(..)``."""
-    every = pytest.mark.parametrize("target, kernel", [(t, k) for t in TARGETS for k in kernels])
-
     @every
-    def test_fp8_kernel_compiles(compiled, target, kernel):
-        check_compiles(compiled[(target, kernel)], target)
-
-    @every
-    def test_fp8_kernel_fits_shared_memory(compiled, target, kernel):
+    def fits_shared_memory(compiled, target, kernel):
         """Every FP8 kernel's launch config fits one program's shared memory, and an FP8 attention
         config within the estimate ``attention_config`` sizes its pipeline by."""
         from dsv4_ops.lowering.triton import sparse_attention as sa
@@ -235,11 +243,28 @@ def fp8_kernel_tests(kernels):
             cfg = dict(BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], num_stages=r["num_stages"])
             assert r["shared"] <= sa.attention_smem_bytes(cfg, 2, fp8=c["FP8"]), r
 
-    return test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory
+    return compiles, fits_shared_memory if fp8 else does_not_spill
 
 
 # ---- Gluon (sm_90 only) -----------------------------------------------------------------------
 SM90_SMEM_LIMIT = 232448  # the opt-in shared memory of one sm_90 CTA
+
+
+def gluon_cross_compile(test_file, module_name, launch, configs):
+    """A Gluon cross-compile test file's module fixture ``compiled``: its worker's entries by config name
+    (skipped where this Triton has no Gluon). Run as a script, the file is that worker (``gluon_worker``
+    over the config names on its command line). ``compiled = gluon_cross_compile(__file__, __name__,
+    _launch, CONFIGS)``, below the file's ``_launch``."""
+    if module_name == "__main__":
+        gluon_worker(sys.argv[1:], launch)
+        sys.exit(0)
+
+    @pytest.fixture(scope="module")
+    def compiled():
+        pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+        return compile_in_worker(test_file, *configs, key=("config",))
+
+    return compiled
 
 
 def gluon_worker(names, launch):
@@ -316,33 +341,58 @@ def wgmma_serialized(ptx: str):
     return "wgmma.mma_async instructions are serialized" in text
 
 
-def check_gluon_scores_in_one_warpgroup(r: dict) -> None:
-    """One warpgroup scores the whole block (N = BLOCK_N, q read once a block), and each warpgroup issues P @ rows
-    over its own 256 channels: D / 16 score steps + twice BLOCK_N / 16 P @ rows steps."""
+def check_gluon_fits(r: dict, max_stack=None) -> None:
+    """Compiled, within sm_90's opt-in shared memory, at most 255 registers a thread and no local memory; no
+    stack (``max_stack`` None) or at most ``max_stack`` bytes. Registers unchecked without cuobjdump."""
     assert "error" not in r, r["error"]
-    res, block_n = r["resources"], r["meta"]["BLOCK_N"]
-    assert res["wgmma_n"] == sorted({block_n, D // 2}), res
-    assert res["wgmma_count"] == D // 16 + 2 * (block_n // 16), res
-
-
-def check_gluon_wgmma_async(r: dict) -> None:
-    """ptxas keeps the wgmmas async (``wgmma_serialized``: no C7512/C7514/C7515); skipped without ptxas."""
     res = r["resources"]
-    if "wgmma_serialized" not in res:
-        pytest.skip("no ptxas in this Triton wheel")
-    assert res["wgmma_serialized"] is False, res
+    assert res["shared"] <= SM90_SMEM_LIMIT, res
+    if "regs" in res:  # cuobjdump ships in Triton's wheel; absent -> nothing to check
+        assert 0 < res["regs"] <= 255, res
+        assert (res["stack"] == 0 if max_stack is None else res["stack"] <= max_stack), res
+        assert res["local"] in (0, -1), res
 
 
-def check_gluon_output_stores(r: dict) -> None:
-    """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and stores them a
-    row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two partitions, nothing
-    narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte pieces of 8 rows) it took
-    several microseconds more a call at 128 programs (BENCHMARKS.md). Several splits store the fp32 partials from
-    that layout, 8 bytes a thread (whole sectors; staging them gained nothing). The bf16 kernel and the FP8 reader
-    (same MMA partitions) alike."""
-    assert "error" not in r, r["error"]
-    stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
-    if r["meta"]["NUM_SPLITS"] == 1:
-        assert stores == {"st.global.v4.b32": block_h * D * 2 // (16 * 128)}, stores
-    else:
-        assert "st.global.v4.b32" not in stores and stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
+def gluon_mma_tests(configs):
+    """The tests of what the bf16 Gluon kernel and the FP8 reader share, their MMA partitions, over each
+    config, for the module fixture ``compiled``: ``test_scores_in_one_warpgroup, test_wgmma_not_serialized,
+    test_stores_its_output_16_bytes_a_thread = gluon_mma_tests(CONFIGS)``."""
+    every = pytest.mark.parametrize("config", list(configs))
+
+    @every
+    def scores_in_one_warpgroup(compiled, config):
+        """One warpgroup scores the whole block (N = BLOCK_N, q read once a block), and each warpgroup issues
+        P @ rows over its own 256 channels: D / 16 score steps + twice BLOCK_N / 16 P @ rows steps."""
+        r = compiled[config]
+        assert "error" not in r, r["error"]
+        res, block_n = r["resources"], r["meta"]["BLOCK_N"]
+        assert res["wgmma_n"] == sorted({block_n, D // 2}), res
+        assert res["wgmma_count"] == D // 16 + 2 * (block_n // 16), res
+
+    @every
+    def wgmma_not_serialized(compiled, config):
+        """ptxas keeps the async wgmmas async (``wgmma_serialized``: no C7512/C7514/C7515, the score steps
+        stay one group); skipped without ptxas."""
+        res = compiled[config]["resources"]
+        if "wgmma_serialized" not in res:
+            pytest.skip("no ptxas in this Triton wheel")
+        assert res["wgmma_serialized"] is False, res
+
+    @every
+    def stores_its_output_16_bytes_a_thread(compiled, config):
+        """One split: each MMA warpgroup stages its 64 x 256 bf16 output columns in q's shared memory and
+        stores them a row a warp, 16 bytes a thread: BLOCK_H * D * 2 / (16 * 128) = 32 st.global.v4 in the two
+        partitions, nothing narrower. Stored straight from the accumulator's layout (4 bytes a thread, 16-byte
+        pieces of 8 rows) it took several microseconds more a call at 128 programs (BENCHMARKS.md). Several
+        splits store the fp32 partials from that layout, 8 bytes a thread (whole sectors; staging them gained
+        nothing)."""
+        r = compiled[config]
+        assert "error" not in r, r["error"]
+        stores, block_h = r["resources"]["st_global"], r["meta"]["BLOCK_H"]
+        if r["meta"]["NUM_SPLITS"] == 1:
+            assert stores == {"st.global.v4.b32": block_h * D * 2 // (16 * 128)}, stores
+        else:
+            assert "st.global.v4.b32" not in stores, stores
+            assert stores["st.global.v2.b32"] == block_h * D * 4 // (8 * 128), stores
+
+    return scores_in_one_warpgroup, wgmma_not_serialized, stores_its_output_16_bytes_a_thread

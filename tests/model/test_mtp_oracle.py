@@ -22,16 +22,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_ops import DSV4Config, Generator
+from dsv4_ops import Generator
 from dsv4_ops.reference.mtp_oracle import mtp_forward, mtp_weights
 from dsv4_ops.streams import main_streams
 from model_util import random_model
 from spec_capture import StepLog, force_acceptance
-
-CFG = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)  # sliding + CSA + HCA, window 16
-PROMPTS = [[3, 1, 4, 1, 5], list(range(40)), [7] * 17]
-NEW = 40
-KW = dict(max_batch_size=4, max_seq_len=128, compile=False, prefill_chunk=16)
+from spec_case import CFG, KW, NEW, PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -4,25 +4,18 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import dsv4_ops
 
-B, S, H, D, HI = 2, 4, 4, 32, 2  # rows, query width, heads, head dim (= pool d), indexer heads
-W, WIN_RING = 4, 8  # window, ring slots (ring mode needs >= W + S - 1)
-M, CSA_RING, TOPK = 4, 8, 3  # CSA rate (overlap), compressor ring, indexer width
+from layer_step import CSA_RING, S, WIN_RING, csa_layer_step
+
+B, H, D, HI = 2, 4, 32, 2  # rows, heads, head dim (= pool d), indexer heads
 N, P = 16, 80  # pool entries, rope rows: positions up to 63 stay in range
 
 
 def step(lengths, n_new, q, kv_new, ckv_new, cgate_new, iq, iw, sink, norm_w, cos, sin, win, ring_kv, ring_gate,
          pool):
-    p = dsv4_ops.plan(lengths, n_new, S, 1, W, WIN_RING, False, M, CSA_RING, 8, 8)
-    dsv4_ops.cache_write(win, kv_new, p.win_write[0])
-    dsv4_ops.compress(ring_kv, ring_gate, ckv_new, cgate_new, lengths, p.csa_emit[0], norm_w, cos, sin, pool, M,
-                      True, 1e-6)
-    dsv4_ops.cache_write(ring_kv, ckv_new, p.csa_write[0])
-    dsv4_ops.cache_write(ring_gate, cgate_new, p.csa_write[0])
-    picked = dsv4_ops.indexer_topk(iq, iw, pool, p.csa_len[0], TOPK)
-    out = dsv4_ops.sparse_attention(q, win, p.win_idx[0], pool, picked, torch.zeros_like(p.csa_len[0]), sink,
-                                    D**-0.5)
+    """``csa_layer_step`` with the pool as the indexer's keys."""
+    out, picked, p = csa_layer_step(lengths, n_new, q, kv_new, ckv_new, cgate_new, iq, iw, sink, norm_w, cos, sin, win,
+                                    ring_kv, ring_gate, pool, pool)
     return out, picked, p.positions
 
 

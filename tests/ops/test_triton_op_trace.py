@@ -117,21 +117,21 @@ def _worker():
     grouped = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gi.graph.nodes
                if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
     leftover += [str(n.target) for n in gi.graph.nodes if n.op == "call_function" and "dsv4" in str(n.target)]
+
+    def decode_topk_launches(B, N, topk):
+        """(kernel, tensors_to_clone) of each launch of a decode step's indexer_topk over N pool entries."""
+        with FakeTensorMode():
+            g = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, topk)), tracing_mode="real")(
+                t(B, 1, HI, DI), t(B, 1, HI), t(B, N, DI), t(B, 1, dtype=torch.int32))
+        return [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
+                for n in g.graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+
     # batch-1 decode at 32K context (8258 pool entries, top-512): the split top-k's two stages
-    with FakeTensorMode():
-        gs = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 512)), tracing_mode="real")(
-            t(1, 1, HI, DI), t(1, 1, HI), t(1, 8258, DI), t(1, 1, dtype=torch.int32))
-    split = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
-             for n in gs.graph.nodes
-             if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    split = decode_topk_launches(1, 8258, 512)
     # batch-128 decode at 32K context (8192 pool entries, top-512): the fused top-k (stage 1 in the
     # scores kernel, then stage 2)
-    with FakeTensorMode():
-        gf = make_fx(dispatch_functionalize(lambda *a: dsv4_ops.indexer_topk(*a, 512)), tracing_mode="real")(
-            t(128, 1, HI, DI), t(128, 1, HI), t(128, 8192, DI), t(128, 1, dtype=torch.int32))
-    fused = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__, sorted(n.kwargs["tensors_to_clone"]))
-             for n in gf.graph.nodes
-             if n.op == "call_function" and n.target is torch.ops.higher_order.triton_kernel_wrapper_functional]
+    fused = decode_topk_launches(128, 8192, 512)
     import torch._library.triton as library_triton
     from torch._library.custom_ops import OPDEFS
 

@@ -14,16 +14,14 @@ import re
 import pytest
 import torch
 
-import dsv4_ops
 from dsv4_ops import lowering
 from dsv4_ops.ops import topk_cuda
+from layer_step import CSA_RING, S, TOPK, WIN_RING, csa_layer_step
 from routes import triton_topk
 
 pytestmark = pytest.mark.gpu
 
-B, S, H, D, HI, DI = 2, 4, 4, 64, 4, 32  # rows, query width, heads, head dim (= pool d), indexer heads / dim
-W, WIN_RING = 4, 8  # window, ring slots (ring mode needs >= W + S - 1)
-M, CSA_RING, TOPK = 4, 8, 3  # CSA rate (overlap), compressor ring, indexer width
+B, H, D, HI, DI = 2, 4, 64, 4, 32  # rows, heads, head dim (= pool d), indexer heads / dim
 N, P, HALF = 16, 80, 8  # pool entries, rope rows, rope pairs
 
 # Every kernel the step below must launch (by @triton.jit function name). The split-KV
@@ -33,19 +31,9 @@ KERNELS = ("plan_kernel", "cache_write_kernel", "compress_kernel", "indexer_scor
 TRITON_TOPK = "topk_row_kernel"
 
 
-def step(lengths, n_new, q, kv_new, ckv_new, cgate_new, iq, iw, sink, norm_w, cos, sin, win, ring_kv, ring_gate,
-         pool, ikeys):
-    """One CSA layer step through all five ops (plan, 3x cache_write, compress, indexer_topk,
-    sparse_attention)."""
-    p = dsv4_ops.plan(lengths, n_new, S, 1, W, WIN_RING, False, M, CSA_RING, 8, 8)
-    dsv4_ops.cache_write(win, kv_new, p.win_write[0])
-    dsv4_ops.compress(ring_kv, ring_gate, ckv_new, cgate_new, lengths, p.csa_emit[0], norm_w, cos, sin, pool, M,
-                      True, 1e-6)
-    dsv4_ops.cache_write(ring_kv, ckv_new, p.csa_write[0])
-    dsv4_ops.cache_write(ring_gate, cgate_new, p.csa_write[0])
-    picked = dsv4_ops.indexer_topk(iq, iw, ikeys, p.csa_len[0], TOPK)
-    out = dsv4_ops.sparse_attention(q, win, p.win_idx[0], pool, picked, torch.zeros_like(p.csa_len[0]), sink,
-                                    D**-0.5)
+def step(*args):
+    """One CSA layer step through all five ops (``layer_step.csa_layer_step``), and the plan's index tensors."""
+    out, picked, p = csa_layer_step(*args)
     return out, picked, p.positions, p.win_idx, p.csa_emit, p.hca_emit
 
 

@@ -4,12 +4,7 @@ of the window ring (d = 512), the CSA compressor ring (2 x 512) and the indexer 
 bf16, and the quantising FP8 write of window rows -- keeping their state in registers and (FP8)
 within shared memory; no GPU needed (``tests/cross_compile.py``: the method, in a worker process
 without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import (B_DECODE, D, DI, RING, ROPE, TARGETS, W, compile_in_worker, fp8_kernel_tests, kernel_tests,
-                           recorder, triton_worker)
+from cross_compile import B_DECODE, D, DI, RING, ROPE, W, kernel_tests, recorder, triton_cross_compile
 
 KERNELS = ["cache_write_window", "cache_write_csa_ring", "cache_write_indexer_ring"]
 FP8_KERNELS = ["fp8_cache_write_window"]
@@ -40,13 +35,6 @@ def _launches(backend):
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)
-test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = fp8_kernel_tests(FP8_KERNELS)
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])
+test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = kernel_tests(FP8_KERNELS, fp8=True)

@@ -4,12 +4,7 @@ the CSA pool (m = 4, overlap), the HCA pool (m = 128) and the indexer keys (d = 
 from bf16 rings, keeping its state in registers; and the quantising FP8 epilogues (KV layout for
 the CSA / HCA pools, Hadamard-rotated indexer keys) from fp32 rings, within shared memory. No GPU
 needed (``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import (B_DECODE, D, DI, N_POOL, PAGE, ROPE, TARGETS, compile_in_worker, fp8_kernel_tests,
-                           kernel_tests, recorder, triton_worker)
+from cross_compile import B_DECODE, D, DI, N_POOL, PAGE, ROPE, kernel_tests, recorder, triton_cross_compile
 
 # name: (d, m, overlap); the FP8 ones write an FP8 pool (KV layout) or FP8 indexer keys
 KERNELS = {"compress_csa": (D, 4, True), "compress_hca": (D, 128, False), "compress_indexer": (DI, 4, True)}
@@ -43,13 +38,6 @@ def _launches(backend):
     return launches
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(list(KERNELS))
-test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = fp8_kernel_tests(list(FP8_KERNELS))
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])
+test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = kernel_tests(list(FP8_KERNELS), fp8=True)

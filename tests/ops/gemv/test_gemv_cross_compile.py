@@ -2,11 +2,7 @@
 launcher's exact arguments and configs at a V4-Flash decode projection (q_b: 32768 x 1024, bf16) for
 one token and for eight (the most the op takes), keeping its state in registers; no GPU needed
 (``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import TARGETS, compile_in_worker, kernel_tests, recorder, triton_worker
+from cross_compile import kernel_tests, recorder, triton_cross_compile
 
 KERNELS = {"gemv_decode": 1, "gemv_8_tokens": 8}  # name: tokens
 
@@ -24,12 +20,5 @@ def _launches(backend):
     return [(name,) + r for name, r in zip(KERNELS, recorded)]
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(list(KERNELS))
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

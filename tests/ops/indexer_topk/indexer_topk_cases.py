@@ -2,7 +2,10 @@
 kernels' inputs on ``DEVICE`` (``kernel_inputs``: small integers make every score exact in fp32
 whatever the summation order, with many ties); the reference's top-k rule over given scores
 (``reference_topk``) and what the split / fused stage 1 must leave in its candidate buffers
-(``check_candidates``)."""
+(``check_candidates``); the kernels the op body launches with a config forced (``op_body_launches``);
+integer-valued inputs at V4's indexer widths (``v4_integer_inputs``)."""
+import sys
+
 import torch
 
 from launchers import DEVICE
@@ -78,3 +81,32 @@ def check_candidates(scores, visible, topk, seg, cand_idx, cand_scores):
                 assert torch.equal(idx[:n], want.to(idx.device)), f"{where}: {idx.tolist()} vs {want.tolist()}"
                 assert torch.equal(val[:n], scores[b, s, idx[:n].long()]), where
                 assert (idx[n:] == -1).all() and (val[n:] == NINF).all(), f"{where}: fillers {idx.tolist()}"
+
+
+def op_body_launches(monkeypatch, **config):
+    """Make the ``dsv4::indexer_topk`` body take its Triton branch (CPU tensors too, under the interpreter)
+    with ``config`` over the default launch config; returns the list of kernel names it then launches
+    through ``wrap_triton``."""
+    from dsv4_ops import lowering
+
+    mod = sys.modules["dsv4_ops.ops.indexer"]
+    monkeypatch.setattr(lowering, "use_triton", lambda device_type: True)
+    real_config = mod.ix.indexer_config
+    monkeypatch.setattr(mod.ix, "indexer_config", lambda *a, **k: dict(real_config(*a, **k), **config))
+    launched = []
+
+    def spy(kernel, real=mod.wrap_triton):
+        launched.append(kernel.fn.__name__)
+        return real(kernel)
+
+    monkeypatch.setattr(mod, "wrap_triton", spy)
+    return launched
+
+
+def v4_integer_inputs(B, N, device, S=1, HI=64, DI=128):
+    """bf16 queries and keys, fp32 weights at V4-Flash's indexer widths, all small integers: exact scores,
+    many ties."""
+    q = torch.randint(-2, 3, (B, S, HI, DI), device=device).bfloat16()
+    w = torch.randint(-2, 3, (B, S, HI), device=device).float()
+    keys = torch.randint(-2, 3, (B, N, DI), device=device).bfloat16()
+    return q, w, keys

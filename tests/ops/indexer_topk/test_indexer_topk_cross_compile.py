@@ -10,12 +10,10 @@ queries: on sm_90 an e4m3 x e4m3 tensor-core dot, and only there) and the fused 
 keeps its state in registers but the measured, accepted ``KNOWN_SPILLS``, and the FP8 ones fit
 shared memory. No GPU needed (``tests/cross_compile.py``: the method, in a worker process without
 ``TRITON_INTERPRET``)."""
-import sys
-
 import pytest
 
-from cross_compile import (B_DECODE, DI, HI, K_CSA, N_POOL, PAGE, TARGETS, check_no_spill, compile_in_worker,
-                           fp8_kernel_tests, kernel_tests, recorder, triton_worker)
+from cross_compile import (B_DECODE, DI, HI, K_CSA, N_POOL, PAGE, TARGETS, check_no_spill, kernel_tests, recorder,
+                           triton_cross_compile)
 
 KERNELS = ["indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
            "topk_split1_512", "topk_split2_512", "topk_split1_1024", "topk_split2_1024",
@@ -117,13 +115,9 @@ def _launches(backend):
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS, KNOWN_SPILLS)
-test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = fp8_kernel_tests(FP8_KERNELS)
+test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = kernel_tests(FP8_KERNELS, fp8=True)
 
 
 def test_fp8_indexer_scores_run_on_fp8_tensor_cores(compiled):
@@ -142,6 +136,3 @@ def test_fp8_fused_indexer_does_not_spill(compiled, target):
     """The fused top-k's scores kernel over FP8 keys keeps its chunk's register row in registers."""
     check_no_spill(compiled[(target, "fp8_indexer_fused")], target)
 
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

@@ -18,7 +18,7 @@ import torch
 from dsv4_ops.reference import fp8_cache as fp8
 from dsv4_ops.reference import ops as ref
 from fp8_cases import poisoned, write_index_keys
-from indexer_topk_cases import I32, check_candidates, kernel_inputs
+from indexer_topk_cases import I32, check_candidates, kernel_inputs, op_body_launches, v4_integer_inputs
 from launchers import DEVICE, kernel_module
 
 indexer = kernel_module("indexer")
@@ -225,21 +225,7 @@ def test_fused_fp8_keys(offset, reader, poison):
 def test_fused_through_the_op_body(monkeypatch):
     """The ``dsv4::indexer_topk`` body's Triton branch launches the fused scores kernel and
     stage 2 through ``wrap_triton`` when the config fuses (forced here with small chunks)."""
-    import sys
-
-    from dsv4_ops import lowering
-
-    mod = sys.modules["dsv4_ops.ops.indexer"]
-    monkeypatch.setattr(lowering, "use_triton", lambda device_type: True)
-    real_config = mod.ix.indexer_config
-    monkeypatch.setattr(mod.ix, "indexer_config", lambda *a, **k: dict(real_config(*a, **k), **fused(64)))
-    launched = []
-
-    def spy(kernel, real=mod.wrap_triton):
-        launched.append(kernel.fn.__name__)
-        return real(kernel)
-
-    monkeypatch.setattr(mod, "wrap_triton", spy)
+    launched = op_body_launches(monkeypatch, **fused(64))
     q, w, keys, visible = inputs(1, 2, 200, [[200, 90]], seed=9)
     got = torch.ops.dsv4.indexer_topk(q, w, keys, visible, 24)
     assert launched == ["indexer_scores_kernel", "topk_row_kernel"]
@@ -256,10 +242,8 @@ def test_fused_default_at_batch128_32k_on_gpu(poison):
     dev = torch.device("cuda")
     if indexer.backend() == "hip":
         pytest.skip("ROCm's config never fuses")
-    B, S, H, D, N, topk = 128, 1, 64, 128, 8192, 512
-    q = torch.randint(-2, 3, (B, S, H, D), device=dev).bfloat16()
-    w = torch.randint(-2, 3, (B, S, H), device=dev).float()
-    keys = torch.randint(-2, 3, (B, N, D), device=dev).bfloat16()
+    B, S, N, topk = 128, 1, 8192, 512
+    q, w, keys = v4_integer_inputs(B, N, dev)
     visible = torch.randint(0, N + 1, (B, S), dtype=I32, device=dev)
     visible[:4, 0] = torch.tensor([N, 2048, 2049, 0], dtype=I32)
     (scoring, _, _), = indexer.indexer_launches(q, w, keys, visible, topk).groups

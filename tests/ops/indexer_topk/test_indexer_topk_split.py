@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dsv4_ops.reference import ops as ref
-from indexer_topk_cases import I32, NINF, check_candidates, kernel_inputs, reference_topk
+from indexer_topk_cases import (I32, NINF, check_candidates, kernel_inputs, op_body_launches, reference_topk,
+                                v4_integer_inputs)
 from launchers import DEVICE, kernel_module
 
 indexer = kernel_module("indexer")
@@ -211,21 +212,7 @@ def test_split_through_indexer_topk_matches_reference(poison):
 def test_split_through_the_op_body(monkeypatch):
     """The ``dsv4::indexer_topk`` body's Triton branch launches both stages through
     ``wrap_triton`` when the config splits (forced here with small segments)."""
-    import sys
-
-    from dsv4_ops import lowering
-
-    mod = sys.modules["dsv4_ops.ops.indexer"]
-    monkeypatch.setattr(lowering, "use_triton", lambda device_type: True)
-    real_config = mod.ix.indexer_config
-    monkeypatch.setattr(mod.ix, "indexer_config", lambda *a, **k: dict(real_config(*a, **k), TOPK_SPLIT=64))
-    launched = []
-
-    def spy(kernel, real=mod.wrap_triton):
-        launched.append(kernel.fn.__name__)
-        return real(kernel)
-
-    monkeypatch.setattr(mod, "wrap_triton", spy)
+    launched = op_body_launches(monkeypatch, TOPK_SPLIT=64)
     q, w, keys, visible = kernel_inputs(1, 2, 4, 32, 200, torch.float32, integer=True,
                                         visible=torch.tensor([[200, 90]], dtype=I32, device=DEVICE))
     got = torch.ops.dsv4.indexer_topk(q, w, keys, visible, 24)
@@ -268,10 +255,8 @@ def test_split_through_the_op_at_batch1_32k_context():
     dev = torch.device("cuda")
     if indexer.backend() == "hip":
         pytest.skip("ROCm's config never splits")
-    B, S, HI, DI, N, topk = 1, 1, 64, 128, 8258, 512
-    q = torch.randint(-2, 3, (B, S, HI, DI), device=dev).bfloat16()
-    w = torch.randint(-2, 3, (B, S, HI), device=dev).float()
-    keys = torch.randint(-2, 3, (B, N, DI), device=dev).bfloat16()
+    B, N, topk = 1, 8258, 512
+    q, w, keys = v4_integer_inputs(B, N, dev)
     launches = indexer.indexer_launches(q, w, keys, torch.tensor([[N]], dtype=I32, device=dev), topk)
     assert [len(g[1]) for g in launches.groups] == [2]
     compiled = torch.compile(lambda *a: torch.ops.dsv4.indexer_topk(*a, topk), fullgraph=True)

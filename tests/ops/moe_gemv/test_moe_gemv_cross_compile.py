@@ -2,11 +2,7 @@
 Hopper (sm_90) with their launcher's exact arguments and configs at a V4-Flash batch-1 decode token
 (top-6 of 256 experts, 4096 x 2048, bf16), keeping their state in registers; no GPU needed
 (``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import TARGETS, compile_in_worker, kernel_tests, recorder, triton_worker
+from cross_compile import kernel_tests, recorder, triton_cross_compile
 
 KERNELS = ["moe_gate_up", "moe_down"]
 
@@ -25,12 +21,5 @@ def _launches(backend):
     return [(name,) + r for name, r in zip(KERNELS, recorded)]
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

@@ -2,11 +2,7 @@
 launcher's exact arguments and configs at DeepSeek-V4 shapes -- a batch-64 decode step (ring mode,
 one query slot) and a long concat-mode prefill chunk -- and keeps its state in registers; no GPU
 needed (``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import B_DECODE, RING, TARGETS, W, compile_in_worker, kernel_tests, recorder, triton_worker
+from cross_compile import B_DECODE, RING, W, kernel_tests, recorder, triton_cross_compile
 
 KERNELS = ["plan_decode", "plan_prefill"]
 
@@ -25,12 +21,5 @@ def _launches(backend):
     return [(name,) + r for name, r in zip(KERNELS, recorded)]
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

@@ -2,11 +2,7 @@
 launcher's exact arguments and config at a DeepSeek-V4 decode step (batch 64, one token a row,
 hc_mult = 4, 20 iterations), keeping its state in registers; no GPU needed
 (``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
-import pytest
-
-from cross_compile import B_DECODE, TARGETS, compile_in_worker, kernel_tests, recorder, triton_worker
+from cross_compile import B_DECODE, kernel_tests, recorder, triton_cross_compile
 
 KERNELS = ["sinkhorn"]
 
@@ -22,12 +18,5 @@ def _launches(backend):
     return [("sinkhorn",) + recorded[0]]
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS)
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

@@ -8,12 +8,10 @@ decode kernels keep acc [BLOCK_H, 512] in registers (and run on Hopper's tensor 
 kernel keeps its state in registers, and every config fits one program's shared memory within the
 estimate ``attention_config`` sizes its pipeline by. No GPU needed (``tests/cross_compile.py``: the
 method, in a worker process without ``TRITON_INTERPRET``)."""
-import sys
-
 import pytest
 
-from cross_compile import (B_DECODE, D, H, K_CSA, N_POOL, PAGE, RING, ROPE, TARGETS, W, compile_in_worker,
-                           fp8_kernel_tests, kernel_tests, recorder, triton_worker)
+from cross_compile import (B_DECODE, D, H, K_CSA, N_POOL, PAGE, RING, ROPE, TARGETS, W, kernel_tests, recorder,
+                           triton_cross_compile)
 
 ATTENTION = ["attention_decode", "attention_decode_split", "attention_tiny_fp32", "attention_fp32_decode",
              "attention_fp32_decode_split", "attention_fp32_prefill"]
@@ -73,13 +71,9 @@ def _launches(backend):
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    return compile_in_worker(__file__, *TARGETS)
-
-
+compiled = triton_cross_compile(__file__, __name__, _launches)
 test_kernel_compiles, test_kernel_does_not_spill = kernel_tests(KERNELS, KNOWN_SPILLS)
-test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = fp8_kernel_tests(FP8_KERNELS)
+test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = kernel_tests(FP8_KERNELS, fp8=True)
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -111,6 +105,3 @@ def test_attention_fits_shared_memory(compiled, target, kernel):
     cfg = dict(BLOCK_D=c["BLOCK_D"], BLOCK_H=c["BLOCK_H"], BLOCK_N=c["BLOCK_N"], num_stages=r["num_stages"])
     assert r["shared"] <= sa.attention_smem_bytes(cfg, 4 if "fp32" in kernel else 2), r
 
-
-if __name__ == "__main__":
-    triton_worker(_launches, sys.argv[1:])

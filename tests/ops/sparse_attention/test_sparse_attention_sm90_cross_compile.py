@@ -9,13 +9,10 @@ The launcher runs on ``meta`` tensors; each launch is compiled with ``triton.com
 constants, ints divisible by 16 marked so), in a subprocess without ``TRITON_INTERPRET``
 (``tests/cross_compile.py``: the method and the PTX / cubin counts read here).
 """
-import sys
-
 import pytest
 
-from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, RING, SM90_SMEM_LIMIT as SMEM_LIMIT, W,
-                           check_gluon_output_stores, check_gluon_scores_in_one_warpgroup, check_gluon_wgmma_async,
-                           compile_in_worker, gluon_worker)
+from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, RING, W, check_gluon_fits,
+                           gluon_cross_compile, gluon_mma_tests)
 
 CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2)}
 
@@ -36,33 +33,15 @@ def _launch(name):
     return launches, {}
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    return compile_in_worker(__file__, *CONFIGS, key=("config",))
+compiled = gluon_cross_compile(__file__, __name__, _launch, CONFIGS)
+# the bf16 kernel's MMA partitions (the FP8 reader runs them too)
+(test_scores_in_one_warpgroup, test_wgmma_not_serialized,
+ test_stores_its_output_16_bytes_a_thread) = gluon_mma_tests(CONFIGS)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_compiles_without_spills(compiled, config):
-    r = compiled[config]
-    assert "error" not in r, r["error"]
-    res = r["resources"]
-    assert res["shared"] <= SMEM_LIMIT, res
-    if "regs" in res:  # cuobjdump ships in Triton's wheel; absent -> nothing to check
-        assert 0 < res["regs"] <= 255, res
-        assert res["stack"] == 0 and res["local"] in (0, -1), res
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_scores_in_one_warpgroup(compiled, config):
-    """One warpgroup scores a block whole, each issues P @ rows over its 256 channels."""
-    check_gluon_scores_in_one_warpgroup(compiled[config])
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_wgmma_not_serialized(compiled, config):
-    """ptxas keeps the async wgmmas async (no C7512/C7514/C7515: the score steps stay one group)."""
-    check_gluon_wgmma_async(compiled[config])
+    check_gluon_fits(compiled[config])
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -94,16 +73,7 @@ def test_gathers_in_a_producer_partition(compiled, config):
     assert 4 * 32 * (scorer[0] + ga.HELPER_REGS) + ga.PRODUCER_WARPS * 32 * ga.PRODUCER_REGS <= 65536, res
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_stores_its_output_16_bytes_a_thread(compiled, config):
-    """Staged in shared memory, stored a row a warp (``check_gluon_output_stores``)."""
-    check_gluon_output_stores(compiled[config])
-
-
 def test_split_launch_uses_combine(compiled):
     assert compiled["split1"]["launches"] == 1 and compiled["split2"]["launches"] == 2
     assert compiled["split2"]["grid"] == [B, 2]
 
-
-if __name__ == "__main__":
-    gluon_worker(sys.argv[1:], _launch)

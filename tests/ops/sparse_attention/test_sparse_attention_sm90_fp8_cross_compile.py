@@ -12,13 +12,11 @@ launcher runs on ``meta`` tensors, each launch is compiled by ``triton.compile``
 ``GluonASTSource`` specialised as the JIT would, in a subprocess without ``TRITON_INTERPRET``.
 """
 import re
-import sys
 
 import pytest
 
-from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, PAGE, ROPE, SM90_SMEM_LIMIT as SMEM_LIMIT, W,
-                           check_gluon_output_stores, check_gluon_scores_in_one_warpgroup, check_gluon_wgmma_async,
-                           compile_in_worker, gluon_worker)
+from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, PAGE, ROPE, W, check_gluon_fits,
+                           gluon_cross_compile, gluon_mma_tests)
 
 # known stack bytes (at most this many): the decoder warps give their registers back (setmaxnreg down to 24)
 # while they wait at the fork, so ptxas parks loop invariants computed before it (W + K, the shared memory base)
@@ -64,23 +62,18 @@ def _launch(name):
     return launches, {"explicit_smem": explicit_smem(launches[0][3])}
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
-    return compile_in_worker(__file__, *CONFIGS, key=("config",))
+compiled = gluon_cross_compile(__file__, __name__, _launch, CONFIGS)
+# the bf16 kernel's MMA partitions (the FP8 reader runs them too)
+(test_scores_in_one_warpgroup, test_wgmma_not_serialized,
+ test_stores_its_output_16_bytes_a_thread) = gluon_mma_tests(CONFIGS)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_compiles_without_spills(compiled, config):
     r = compiled[config]
-    assert "error" not in r, r["error"]
-    res = r["resources"]
-    assert res["shared"] <= SMEM_LIMIT, res
+    check_gluon_fits(r, max_stack=SPILLS.get(config, 0))
     # the explicit buffers are what the launcher budgets; the compiler's scratch must not add much
-    assert r["explicit_smem"] <= res["shared"] <= r["explicit_smem"] + 4096, (r["explicit_smem"], res)
-    if "regs" in res:  # cuobjdump ships in Triton's wheel; absent -> nothing to check
-        assert 0 < res["regs"] <= 255, res
-        assert res["stack"] <= SPILLS.get(config, 0) and res["local"] in (0, -1), res
+    assert r["explicit_smem"] <= r["resources"]["shared"] <= r["explicit_smem"] + 4096, (r["explicit_smem"], r)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -100,19 +93,6 @@ def test_bytes_by_zero_filling_cp_async_decoded_by_bit_moves(compiled, config):
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_scores_in_one_warpgroup(compiled, config):
-    """The reader runs the bf16 kernel's MMA partitions: one warpgroup scores a block whole
-    (``check_gluon_scores_in_one_warpgroup``)."""
-    check_gluon_scores_in_one_warpgroup(compiled[config])
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_wgmma_not_serialized(compiled, config):
-    """ptxas keeps the wgmmas async (no C7512/C7514/C7515)."""
-    check_gluon_wgmma_async(compiled[config])
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
 def test_decodes_in_its_own_warps(compiled, config):
     """The reader is warp-specialised: three 4-warp partitions, the decoder's registers set to ``DECODER_REGS``, the
     helper MMA warpgroup's to ``HELPER_REGS`` and the scorer's to more (``setmaxnreg``)."""
@@ -126,12 +106,6 @@ def test_decodes_in_its_own_warps(compiled, config):
     assert meta["num_warps"] == 4 and gf.DECODER_REGS in regs and gf.HELPER_REGS in regs, r
     scorer = max(regs)
     assert scorer > gf.HELPER_REGS, regs
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_stores_its_output_16_bytes_a_thread(compiled, config):
-    """The bf16 kernel's output store (``check_output_stores``): the FP8 reader runs its MMA partitions."""
-    check_gluon_output_stores(compiled[config])
 
 
 def test_split_launch_uses_combine(compiled):
@@ -161,6 +135,3 @@ def test_unsupported_arguments_are_named():
         with pytest.raises(ValueError, match=re.escape(msg)):
             gf.gluon_fp8_launch(qq, kv, ki, cmp, cmp_idx, cmp_len, sink, scale)
 
-
-if __name__ == "__main__":
-    gluon_worker(sys.argv[1:], _launch)
