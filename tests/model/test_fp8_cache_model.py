@@ -244,7 +244,7 @@ def test_fp8_cache_at_v4_attention_widths_matches_the_fp8_reference(dtype, bound
     # the Triton kernels on both sides (not the sm_90 Gluon route, which serves FP8 pages from batch 1):
     # the same 32-row blocks, so the bf16 rounding of P is the same, and what is compared is the cache's
     # numerics, not two kernels' rounding, which these logits amplify. The Gluon FP8 reader inside this
-    # model: tests/ops/test_sparse_attention_sm90_fp8.py, call by call against the Triton kernel
+    # model: tests/ops/sparse_attention/test_sparse_attention_sm90_fp8.py, call by call against the Triton kernel
     with triton_attention():
         fp8_logits = run("fp8")
     m.simulate_fp8_cache(True)

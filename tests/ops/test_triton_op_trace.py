@@ -9,7 +9,7 @@ op body, with no registration by hand.
 The trace runs in a subprocess without ``TRITON_INTERPRET`` (conftest sets it for this process;
 interpreted kernels cannot be wrapped), on ``meta`` tensors with the op bodies' device check
 widened to ``meta`` and Triton's active driver replaced by one that reports an sm_90 target.
-Inductor's code generation itself is checked on the GPU box (tests/test_inductor_codegen.py).
+Inductor's code generation itself is checked on the GPU box (tests/runtime/test_inductor_codegen.py).
 """
 import json
 import os

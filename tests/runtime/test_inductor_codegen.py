@@ -4,7 +4,7 @@ the compiled step matches eager and the CPU reference. The one opaque ``torch.op
 call allowed is the CUDA top-k (``dsv4::topk_rows_cuda``, a C++ op that Inductor cannot inline:
 ``dsv4_ops/ops/topk_cuda.py``), and only where it applies; with that route off
 (``DSV4_OPS_CUDA_TOPK=0``) the graph holds Triton kernels alone. (CPU keeps the reference path; that is
-tests/test_compile_ops.py.)"""
+tests/ops/test_compile_ops.py.)"""
 from __future__ import annotations
 
 import contextlib

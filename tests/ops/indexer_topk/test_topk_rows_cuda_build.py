@@ -4,7 +4,7 @@ limits and the schema that Python mirrors agree with the C++ source; without the
 a CPU torch) importing dsv4_ops gives the Triton route, a reason and no noise; the route never
 takes CPU tensors. Where nvcc is found, the kernel compiles for sm_90 within its registers and the
 binding compiles against torch's headers. The op itself is tested on the GPU
-(``tests/ops/test_topk_rows_cuda.py``)."""
+(``test_topk_rows_cuda.py``, this folder)."""
 import importlib.util
 import json
 import os

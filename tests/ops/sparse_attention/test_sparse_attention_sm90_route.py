@@ -1,8 +1,8 @@
 """The switch in front of the sm_90 Gluon attention (``dsv4_ops/ops/attention_sm90.py``), on
 any machine: the ``DSV4_OPS_GLUON_ATTENTION=0`` environment switch turns the route off, CPU tensors
 never take it, and both Gluon launchers split a call as the Triton kernel would. That it steps aside
-while torch exports is checked on the GPU. The route's numerics and its use in compiled graphs: ``tests/ops/test_sparse_attention_sm90.py``
-(GPU)."""
+while torch exports is checked on the GPU. The route's numerics and its use in compiled graphs:
+``test_sparse_attention_sm90.py`` (GPU)."""
 import os
 import subprocess
 import sys
