@@ -2,8 +2,8 @@
 launches (``triton.enable_pdl``; off by default). CPU: the compile options say what
 ``mode="reduce-overhead"`` says plus PDL, torch accepts them, and the argument is checked. GPU
 (sm_90+): the generated kernels carry the PDL wait; greedy tokens of decode and of a speculative
-generate equal the unpaired run's, the logits within 1e-4 (the H200 measured up to 7.2e-6 of difference, which two unpaired compilations do not
-show: ``benchmarks/pdl_bits.py``, BENCHMARKS.md session 18)."""
+generate equal the unpaired run's, the logits within ``pdl_vs_plain_logits`` (1e-4; the H200 measured
+up to 7.2e-6 of difference, which two unpaired compilations do not show: BENCHMARKS.md session 18)."""
 from __future__ import annotations
 
 import pytest

@@ -259,14 +259,13 @@ def test_model_at_v4_attention_widths_decodes_with_the_gluon_kernel(tol):
     check_model_decode("auto", tol)
 
 
-# the model test's Generator (besides its cache dtype) and decode; benchmarks/ws_model_diag.py and
-# model_test_noise.py replay the same
+# the model test's Generator (besides its cache dtype) and decode
 GENERATOR_OPTIONS = dict(max_batch_size=2, max_seq_len=2200, prefill_chunk=64)
 DECODE_STEPS = 8
-# Rounding alone moves the test model's logits far: attention outputs one bf16 ulp from v3's moved
-# them by 2.1e-2 to 1.8e-1 (H200, 6 seeds; 2.1e-2 to 1.9e-1 on the CPU's kernels, 3 seeds), while
-# head 0 of 64 zeroed moved them 6.9e-1 and outputs one step stale 1.6 (CPU; benchmarks/
-# model_test_noise.py, BENCHMARKS.md session 20). So the logits bound is about twice the noise seen
+# Rounding alone moves the test model's logits far: attention outputs one bf16 ulp from another
+# kernel's moved them by 2.1e-2 to 1.8e-1 (H200, 6 seeds; 2.1e-2 to 1.9e-1 on the CPU's kernels, 3
+# seeds), while head 0 of 64 zeroed moved them 6.9e-1 and outputs one step stale 1.6 (CPU;
+# BENCHMARKS.md session 20). So the logits bound is about twice the noise seen
 # and half the one-head error; the kernel itself is checked call by call (check_model_decode)
 LOGITS_BOUND = 0.35
 
