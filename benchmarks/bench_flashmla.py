@@ -23,7 +23,7 @@ to tell which side is off). A table is printed; ``--out`` gets the JSON (rewritt
 
 Exit status: 0 all agreed; 1 a disagreement or an error (the row says which; the other batches still
 run); 2 nothing could run (no flash_mla build, no sm_90 GPU, dsv4 backend not Triton).
-CPU smoke run (tests/test_bench_flashmla.py): ``--device cpu --flashmla tests/fake_flashmla`` (a
+CPU smoke run (tests/project/test_bench_flashmla.py): ``--device cpu --flashmla tests/fake_flashmla`` (a
 pure-PyTorch stand-in that reads FlashMLA's layout).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ index. Measures ``dsv4_ops.load_pretrained(path, dtype=bf16, device="cuda")``: s
 RSS above the start, peak GPU memory against the model's own bytes (two copies of the weights
 would show), and one forward pass of the loaded model (finite logits).
 
-The checkpoint holds random codes (tests/test_checkpoint_formats.py::random_official_tensors, the
+The checkpoint holds random codes (tests/hf/test_checkpoint_formats.py::random_official_tensors, the
 writer the CPU test uses), written once to ``--dir`` (~17 GB).
 
     python3 benchmarks/bench_load.py --dir /tmp/flash_ckpt --out out/bench_load.json      # GPU box

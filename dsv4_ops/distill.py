@@ -9,7 +9,7 @@ from ``(streams at t, token t+1)`` with cross-entropy on the generated tokens �
 ``t+1``, attending main entries before ``t``), which is what draft steps 2..k run on.
 
 The dsv4 ops are inference kernels without a backward, so the training forward is the
-plain-math block of ``reference/mtp_oracle.py`` — the same math that tests/test_mtp_oracle.py
+plain-math block of ``reference/mtp_oracle.py`` — the same math that tests/model/test_mtp_oracle.py
 checks against the op-based block at every drafted position. Everything outside ``mtp.0.`` is
 frozen (no grad, never written), including the shared embedding and ``lm_head``.
 

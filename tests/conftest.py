@@ -1,10 +1,19 @@
 """Shared test fixtures: seeding, the one tolerance table, the ``gpu`` marker, ``poison``.
 
+The tests are grouped by capability: ``ops/<op>/`` (each op's contract, reference, kernels,
+cross-compiles and routes, with the op's own inputs in ``<op>_cases.py`` there), ``ops/`` (what spans the
+ops), ``model/``, ``runtime/``, ``hf/``, ``export/``, ``parallel/``, ``project/``. pytest imports them by
+basename (the default "prepend" mode; no ``__init__.py``), so every module name under tests/ is unique,
+and the helpers beside this file (``launchers``, ``cross_compile``, ``fp8_cases``, ``model_util``, ...) are
+importable from every folder; subprocess workers get them through ``compiled_worker``'s ``PYTHONPATH``.
+
 Fixtures:
     seed (autouse)  seeds torch with a per-test value, so every test draws its own fresh,
                     reproducible random inputs (never zeros, never shared between tests).
     device          "cpu", plus "cuda" marked ``gpu`` (skipped with a reason without CUDA).
-    tol             ``tol(dtype) -> dict(atol=..., rtol=...)`` from ``TOLERANCES``.
+    tol             ``tol(dtype_or_name) -> dict`` from ``TOLERANCES``: ``atol`` / ``rtol`` for
+                    ``torch.testing.assert_close``, or ``rel``, a bound on a relative error the test
+                    computes (the metric is written where it is used).
     poison          ``poison(*tensors)`` fills tensors in place with NaN (floats) or a large
                     negative sentinel (ints) before an op runs, so unwritten output shows up.
     fake_check      ``fake_check(op, *args)``: runs ``op`` on real inputs and under FakeTensorMode
@@ -56,20 +65,63 @@ import triton  # noqa: E402  (after TRITON_INTERPRET is set)
 if triton.knobs.runtime.interpret:
     _fix_interpreter_numpy24()
 
-# The single dtype -> tolerance table. Low-precision entries cover rounding of inputs, of the
-# output and fp32 accumulation order; compare against a float64 oracle on the same (rounded) inputs.
+# The one tolerance table. By dtype: a kernel or op computing in that dtype against a float64 oracle (or
+# the reference) on the same (rounded) inputs; low-precision entries cover rounding of inputs, of the output
+# and fp32 accumulation order. By name: every other comparison the tests bound, named for what it compares.
+# ``atol`` / ``rtol`` are torch.testing.assert_close's; ``rel`` bounds a relative error the test computes.
+# Exact comparisons (torch.equal, atol=rtol=0) are not tolerances and stay where they are.
 TOLERANCES = {
     torch.float64: dict(atol=1e-10, rtol=1e-10),
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.float16: dict(atol=5e-3, rtol=5e-3),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    # ---- kernels and ops against their oracle, where the op's own arithmetic sets the bound
+    "sinkhorn_vs_float64": dict(atol=1e-6, rtol=1e-5),  # fp32 sums over 2 * iters - 1 normalisations
+    "sinkhorn_1x1_vs_float64": dict(atol=1e-7, rtol=1e-6),  # N = 1: one entry, c / (c + eps) a step
+    "sinkhorn_column_sums": dict(atol=1e-5, rtol=0),  # the last normalisation is over columns: each sums to 1
+    "sinkhorn_fixed_point": dict(atol=1e-5, rtol=0),  # a doubly stochastic matrix (+ eps) stays put
+    "sinkhorn_row_sums_after_20_iters": dict(atol=1e-2, rtol=0),  # rows: not fully converged after 20
+    "moe_gemv_vs_reference": dict(atol=2e-5, rtol=2e-5),  # the op's fp32 sum of expert outputs, another order
+    "moe_gemv_reference_vs_float64": dict(atol=1e-4, rtol=1e-4),  # the reference vs the per-assignment loop
+    "moe_expert_paths_fp32": dict(atol=1e-6, rtol=1e-5),  # blocked, grouped, per-token loop, shared experts
+    "gemv_bf16_vs_reference": dict(atol=1e-5, rtol=1e-2),  # bf16 outputs of fp32 sums in another order
+    "indexer_pick_scores_fp32": dict(atol=1e-4, rtol=1e-4),  # reference scores of two pick sets (order of sums)
+    "fp8_query_quantisation_is_seen": dict(atol=1e-3, rtol=1e-3),  # unquantised queries' scores lie outside it
+    "fp8_e4m3_dot_scores": dict(rel=2e-3),  # e4m3 tensor-core scores vs the simulated ones, of their range
+    "bf16_one_rounding": dict(atol=1e-2, rtol=1e-2),  # a bf16 output rounded once vs rounded in another order
+    "bf16_expert_outputs": dict(rel=1e-2),  # bf16 expert paths rounding each expert's output (1 ulp = 0.4%)
+    "bf16_gemv_vs_cublas": dict(rel=1e-2),  # max |ours - cuBLAS| / max |cuBLAS|, bf16 decode projections
+    "gluon_vs_triton_bf16": dict(atol=1e-2, rel=1e-2),  # two fp32 softmaxes over the same bf16 rows (P rounded)
+    # ---- the same computation another way: compiled, exported, batched, sharded, speculative, PDL
+    "compiled_vs_eager_fp32": dict(atol=1e-5, rtol=1e-5),  # Inductor's fusions reorder fp32 sums
+    "compiled_vs_eager_rel_fp32": dict(rel=1e-5),  # max |compiled - eager| / max |eager| of a compiled module
+    "compiled_vs_eager_bf16": dict(atol=2e-2, rtol=2e-2),  # Inductor rounds a fused chain once (1 bf16 ulp)
+    "compiled_generator_vs_eager": dict(atol=1e-4, rtol=1e-4),  # a compiled Generator's logits, whole model
+    "exported_vs_eager": dict(atol=1e-4, rtol=1e-4),  # an AOTInductor package's logits vs the eager Generator
+    "cuda_step_vs_cpu_reference": dict(atol=1e-4, rtol=1e-4),  # a compiled CUDA layer step vs the CPU reference
+    "batch_row_vs_alone": dict(atol=1e-5, rtol=1e-5),  # a row of a padded batch vs its prompt alone
+    "sharded_vs_single_process": dict(atol=1e-5, rtol=1e-5),  # tensor / expert parallel ranks vs one process
+    "speculative_cache_entries": dict(atol=1e-5, rtol=1e-4),  # what spec steps wrote vs plain decode / oracle
+    "pdl_vs_plain_logits": dict(atol=1e-4, rtol=0),  # programmatic dependent launches vs plain launches
+    # ---- relative errors against an independent implementation (the metric is the test's: hf_util.rel, ...)
+    "hf_parity_fp32": dict(rel=1e-5),  # one module / layer (or a short model run) vs HF transformers
+    "hf_model_parity_fp32": dict(rel=1e-4),  # the whole model vs HF at every position / decode step
+    "hf_model_parity_bf16": dict(rel=5e-2),  # the bf16 model vs fp32 (and vs HF's own bf16 drift)
+    "hf_model_parity_cuda_bf16": dict(mean_rel=4e-2, rel=0.15),  # bf16 on CUDA vs HF fp32: mean and worst
+    "fp8_cache_model_vs_simulated": dict(rel=1e-4),  # FP8 cache logits vs float caches of the FP8 values
+    "fp8_cache_model_vs_cache_free": dict(rel=2e-3),  # vs the cache-free FP8 forward (a one-code flip)
+    "mtp_drafter_vs_float64": dict(atol=1e-3),  # fp32 drafter logits vs the float64 MTP oracle (logits O(1..10))
 }
 
 INT_POISON = -(2**30)
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    return dict(TOLERANCES[dtype])
+def tolerance(key) -> dict:
+    """The ``TOLERANCES`` entry of a dtype or a comparison's name (a copy)."""
+    if key not in TOLERANCES:
+        names = sorted(k for k in TOLERANCES if isinstance(k, str))
+        raise KeyError(f"no tolerance {key!r} in conftest.TOLERANCES (dtypes, or one of {names})")
+    return dict(TOLERANCES[key])
 
 
 def poison_(*tensors: torch.Tensor) -> torch.Tensor:

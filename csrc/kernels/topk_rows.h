@@ -10,7 +10,7 @@ namespace dsv4 {
 
 // Rows of 1 .. kTopkRowsMaxEntries scores (64 a thread of a 512-thread block) and 1 .. kTopkRowsMaxTopk
 // picks a row (what the sort holds in shared memory). dsv4_ops/ops/topk_cuda.py mirrors both
-// (MAX_ENTRIES, MAX_TOPK; tests/test_topk_cuda_build.py checks that they agree).
+// (MAX_ENTRIES, MAX_TOPK; tests/ops/indexer_topk/test_topk_rows_cuda_build.py checks that they agree).
 constexpr int kTopkRowsMaxEntries = 32768;
 constexpr int kTopkRowsMaxTopk = 2048;
 

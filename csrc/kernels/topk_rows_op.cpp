@@ -71,7 +71,7 @@ at::Tensor topk_rows_cuda(const at::Tensor& scores, const at::Tensor& visible, i
 
 }  // namespace
 
-// (pt2_compliant_tag: as torch.library.custom_op tags the Python ops; tests/ops/test_topk_rows_cuda.py opchecks it)
+// (pt2_compliant_tag: as torch.library.custom_op tags the Python ops; tests/ops/indexer_topk/test_topk_rows_cuda.py opchecks it)
 TORCH_LIBRARY_FRAGMENT(dsv4, m) {
   m.def("topk_rows_cuda(Tensor scores, Tensor visible, int topk) -> Tensor", {at::Tag::pt2_compliant_tag});
 }

@@ -37,7 +37,7 @@ from .. import native
 ENV = "DSV4_OPS_CUDA_TOPK"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
 # What one launch serves; mirrors kTopkRowsMaxEntries / kTopkRowsMaxTopk in csrc/kernels/topk_rows.h
-# (tests/test_topk_cuda_build.py checks that they agree), as do the op's own checks.
+# (tests/ops/indexer_topk/test_topk_rows_cuda_build.py checks that they agree), as do the op's own checks.
 MAX_ENTRIES = 32768
 MAX_TOPK = 2048
 MIN_CAPABILITY = (7, 0)  # warp shuffles with masks, independent thread scheduling

@@ -2,7 +2,8 @@
 quantisation rule, FlashMLA's V4 byte layout (data rows, then the page footer of scales),
 write -> read equal to the reference quant-sim bit for bit, untouched sentinels and unwritten
 entries, and the bad inputs the wrappers refuse. Reference path (CPU); the Triton kernels are
-checked against the same functions in ``tests/test_triton_interp_fp8.py``."""
+checked against the same functions in the ops' ``test_<op>_kernels.py`` and the codec in
+``test_fp8_codec.py``."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +12,7 @@ import torch
 import dsv4_ops.ops as ops
 from dsv4_ops.reference import fp8_cache as fp8
 from dsv4_ops.reference import ops as ref
-
-
-def _poisoned(shape) -> torch.Tensor:
-    return torch.full(shape, 0xA5, dtype=torch.uint8)  # 0xA5: a byte no write below produces for every entry
+from fp8_cases import POISON, poisoned, write_index_keys
 
 
 def test_v4_layout_is_flashmla_model1():
@@ -48,7 +46,7 @@ def test_quantise_then_dequantise_is_exact_e4m3_and_idempotent():
 
 
 def _kv_cache(B, n, D, rope, page):
-    return _poisoned(fp8.KVLayout(D, rope, page).shape(B, n))
+    return poisoned(fp8.KVLayout(D, rope, page).shape(B, n))
 
 
 def test_cache_write_round_trips_bit_for_bit_and_puts_scales_in_the_footer():
@@ -77,7 +75,7 @@ def test_cache_write_round_trips_bit_for_bit_and_puts_scales_in_the_footer():
     for b in range(B):
         written[b, slots[b][slots[b] >= 0].long()] = True
     rows = fp8.to_entries(cache, lay.data_bytes)
-    assert bool((rows[~written] == 0xA5).all())  # unwritten entries (and skipped -1 slots) untouched
+    assert bool((rows[~written] == POISON).all())  # unwritten entries (and skipped -1 slots) untouched
 
 
 def test_compress_quantises_exactly_the_float_entries():
@@ -96,14 +94,14 @@ def test_compress_quantises_exactly_the_float_entries():
     for b, blocks in enumerate(([1, 2], [3, 4])):
         for i in blocks:
             assert torch.equal(got[b, i], fp8.simulate_kv(floats[b, i], 2 * half))
-    assert bool((fp8.to_entries(pool, 160)[0, 0] == 0xA5).all())  # not emitted: untouched
+    assert bool((fp8.to_entries(pool, 160)[0, 0] == POISON).all())  # not emitted: untouched
     # indexer keys (entry_bytes = d + 4): Hadamard-rotated, then quantised
     DI = 32
     ring = [torch.randn(B, 16, 2 * DI) for _ in range(2)]
     new = [torch.randn(B, 9, 2 * DI) for _ in range(2)]
     floats = torch.zeros(B, 12, DI)
     ops.compress(*ring, *new, start, emit, w[:DI], cos, sin, floats, m, True, 1e-6)
-    keys = _poisoned(fp8.IndexerLayout(DI, 4).shape(B, 12))
+    keys = poisoned(fp8.IndexerLayout(DI, 4).shape(B, 12))
     ops.compress(*ring, *new, start, emit, w[:DI], cos, sin, keys, m, True, 1e-6)
     assert torch.equal(fp8.read_keys(keys)[1, 4], fp8.dequantize_keys(*fp8.quantize_keys(fp8.rotate(floats[1, 4]))))
 
@@ -123,8 +121,8 @@ def test_readers_equal_the_float_ops_on_the_dequantised_cache():
     want = ref.sparse_attention(q, fp8.read_kv(window, D), kv_idx, fp8.read_kv(pool, D), cmp_idx, cmp_len, sink,
                                 D**-0.5)
     assert torch.equal(got, want)
-    keys = _poisoned(fp8.IndexerLayout(32, 4).shape(B, 12))
-    ref._write_entries_fp8(keys, torch.randn(B, 12, 32), torch.arange(12, dtype=torch.int32).expand(B, 12).contiguous())
+    keys = poisoned(fp8.IndexerLayout(32, 4).shape(B, 12))
+    write_index_keys(keys, torch.randn(B, 12, 32))
     qI, wI = torch.randn(B, S, 8, 32), torch.randn(B, S, 8)
     vis = torch.randint(0, 13, (B, S), dtype=torch.int32)
     assert torch.equal(ops.indexer_topk(qI, wI, keys, vis, 5), ref.indexer_topk(qI, wI, fp8.read_keys(keys), vis, 5))
