@@ -1,0 +1,528 @@
+"""``Engine``: continuous batching over a paged, prefix-cached KV pool.
+
+Requests join and leave at every ``step()``. One iteration (serving_design.md §7.3):
+
+1. admit waiting requests (first come, first served) while a slot is free and their prompt's
+   pages fit: match the prefix cache, restore the matched snapshot into the slot, point the
+   slot's block-table row at the shared pages;
+2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
+   (chunks start at multiples of the chunk, which divides the page size, so a prefix hit and a
+   cold run cut a prompt at the same places); a request whose prompt ends samples its first token;
+3. a **decode** step for every request that has one, over slots ``0..bucket-1``;
+4. one read of the sampled tokens (the iteration's only host sync), then stop checks: a stop id
+   (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
+   and snapshots to the prefix cache and frees its slot.
+
+Pages are taken as a request grows. When none is free (after evicting unreferenced cached
+prefixes) the newest running request is preempted: its pages are released (published first, so
+re-admitting it can hit its own prefix) and it waits to be recomputed, with the tokens it has
+made so far as part of its prompt. ``add_request`` rejects a request that no pool state could
+ever hold.
+
+Every step's shapes are ``(kind, bucket)``: decode buckets 1, 2, 4, ... ``max_running``, prefill
+buckets 1, 2, 4, ... the prefill rows; sampling settings are tensor inputs, ``filtered`` (any
+top-k / top-p) the one static choice. Requests coming and going add no graphs.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .. import cudagraph_replays
+from ..cudagraph_replays import replays
+from ..generate_args import parse_generate_args
+from ..generation_loop import check_prompts
+from ..model.kv_cache_dtype import check_kv_cache_dtype
+from ..ops.validate import check_int
+from ..sampling import SamplingParams
+from .pool import PagedKVPool
+from .prefix_cache import OutOfPages, PageAllocator, PageEntry, PrefixCache
+from .step import pool_step
+
+__all__ = ["Engine", "RequestOutput"]
+
+
+class RequestOutput(NamedTuple):
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class _Request:
+    rid: int
+    arrival: int
+    prompt: list[int]
+    max_new: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    eos: frozenset
+    generated: list[int] = field(default_factory=list)
+    slot: int | None = None
+    shared: list[PageEntry] = field(default_factory=list)  # matched prefix pages
+    own: list[int] = field(default_factory=list)  # pages this request took
+    computed: int = 0  # positions in the cache
+    cached_tokens: int = 0
+    snapshots: dict[int, int] = field(default_factory=dict)  # page count -> snapshot id
+    decode_snapshot: int | None = None  # depth of the rolling decode-time snapshot
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions to compute before decoding: the prompt, or (resumed after preemption) every
+        token but the last, which is the next decode input."""
+        return len(self.prompt) if not self.generated else len(self.prompt) + len(self.generated) - 1
+
+    @property
+    def pages(self) -> list[int]:
+        return [e.page for e in self.shared] + self.own
+
+
+def _buckets(n: int) -> list[int]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
+
+
+class Engine:
+    """Continuous batching for a ``DeepseekV4ForCausalLM`` over a paged, prefix-cached KV pool.
+
+    Args:
+        model: a ``dsv4_ops.DeepseekV4ForCausalLM`` (its own ``setup_caches`` pool is not used).
+        max_running: most requests decoding at once (request slots).
+        max_seq_len: most tokens (prompt + generated) per request.
+        num_pages / kv_memory_gb: the paged pool's size, in pages (page 0 is a dummy) or from a
+            memory budget for the pages (default: room for ``max_running`` full-length requests).
+        page_size: token positions per page, a multiple of every compression rate (so a page
+            boundary never splits a compressed block) and of ``prefill_chunk``.
+        prefix_cache: share full pages of identical prefixes between requests.
+        num_snapshots: ring snapshots the prefix cache may hold (default ``2 * max_running``).
+        snapshot_interval: also snapshot every this many pages in long prompts (default 16).
+        spec_steps: MTP speculative decoding (not served by the engine yet: must be 0).
+        compile / cuda_graphs: as ``Generator``.
+        kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
+        prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``).
+        max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
+
+    >>> eng = Engine(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_running=4, max_seq_len=128, page_size=32,
+    ...              compile=False)
+    >>> [len(t) for t in eng.generate([[1, 2, 3], [4]], max_new_tokens=5)]
+    [5, 5]
+    """
+
+    def __init__(self, model, max_running: int = 8, max_seq_len: int = 4096, num_pages: int | None = None,
+                 kv_memory_gb: float | None = None, page_size: int = 256, prefix_cache: bool = True,
+                 spec_steps: int = 0, compile: bool = True, cuda_graphs: bool | None = None,
+                 kv_cache_dtype: str = "auto", prefill_chunk: int | None = None,
+                 max_prefill_tokens: int | None = None, num_snapshots: int | None = None,
+                 snapshot_interval: int = 16) -> None:
+        cfg = model.config
+        check_int("max_running", max_running, 1)
+        check_int("max_seq_len", max_seq_len, 1)
+        check_int("page_size", page_size, 1)
+        check_int("snapshot_interval", snapshot_interval, 1)
+        check_int("spec_steps", spec_steps, 0)
+        if spec_steps:
+            raise ValueError("Engine: spec_steps > 0 (MTP speculative decoding) is not served by the engine yet; "
+                             "use Generator(spec_steps=k) for it")
+        rates = [r for r in (cfg.csa_ratio, cfg.hca_ratio) if r]
+        for r in rates:
+            if page_size % r:
+                raise ValueError(f"Engine: page_size={page_size} must be a multiple of every compression rate "
+                                 f"{rates} (a page boundary may not split a compressed block)")
+        prefill_chunk = prefill_chunk or min(page_size, 256)
+        check_int("prefill_chunk", prefill_chunk, 1)
+        if page_size % prefill_chunk:
+            raise ValueError(f"Engine: prefill_chunk={prefill_chunk} must divide page_size={page_size} (chunks "
+                             "end on page boundaries, where prefix snapshots are taken)")
+        max_prefill_tokens = max_prefill_tokens or 4 * prefill_chunk
+        check_int("max_prefill_tokens", max_prefill_tokens, prefill_chunk)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None (auto), got {cuda_graphs!r}")
+        kv_cache_dtype = check_kv_cache_dtype("Engine: kv_cache_dtype", kv_cache_dtype, cfg, model.device)
+        self.model = model.eval()
+        self.config, self.vocab_size, self.device = cfg, cfg.vocab_size, model.device
+        self.max_running, self.max_seq_len, self.page_size = max_running, max_seq_len, page_size
+        self.prefill_chunk = prefill_chunk
+        self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
+        self.snapshot_interval = snapshot_interval
+        if num_pages is not None and kv_memory_gb is not None:
+            raise ValueError("Engine: give num_pages or kv_memory_gb, not both")
+        if kv_memory_gb is not None:
+            if not isinstance(kv_memory_gb, (int, float)) or kv_memory_gb <= 0:
+                raise ValueError(f"Engine: kv_memory_gb must be a positive number, got {kv_memory_gb!r}")
+            num_pages = int(kv_memory_gb * 2**30 // PagedKVPool.page_bytes(model, page_size, kv_cache_dtype))
+        pages_per_request = -(-max_seq_len // page_size)
+        if num_pages is None:
+            num_pages = max_running * pages_per_request + 1
+        check_int("num_pages", num_pages, 2)
+        if max_seq_len > model.max_positions:
+            model.set_max_positions(max_seq_len)
+        # slot max_running is the dummy that prefill's padding rows read and write
+        self.pool = PagedKVPool(model, max_running + 1, max_seq_len, num_pages, page_size, kv_cache_dtype)
+        self.allocator = PageAllocator(num_pages)
+        num_snapshots = 2 * max_running if num_snapshots is None else num_snapshots
+        check_int("num_snapshots", num_snapshots, 0)
+        self.cache = PrefixCache(self.allocator, page_size, num_snapshots if prefix_cache else 0,
+                                 extra_key=kv_cache_dtype.encode(), enabled=bool(prefix_cache))
+        # ring snapshots at page boundaries: one row of every per-slot ring, per snapshot
+        self._snapshots = [torch.zeros((len(self.cache.free_snapshots), *t.shape[1:]), dtype=t.dtype,
+                                       device=t.device) for t in self.pool.ring_tensors()]
+        self._block_table = torch.zeros_like(self.pool.block_table, device="cpu")
+        self._table_dirty = False
+        self.compiled = compile
+        self.cuda_graphs = (self.device.type == "cuda" and compile) if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not compile:
+            raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
+        if self.cuda_graphs:
+            cudagraph_replays.install()
+        self.decode_buckets, self.prefill_buckets = _buckets(max_running), _buckets(self.prefill_rows)
+        self._fns: dict[tuple[str, bool], object] = {}
+        self._graphs: dict[tuple, int] = {}
+        self._requests: dict[int, _Request] = {}
+        self._waiting: list[_Request] = []
+        self._slots: list[_Request | None] = [None] * max_running
+        self._next_id = 0
+        self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
+                           generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
+                           compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, *, temperature=None, top_k=None,
+                    top_p=None, seed=None, eos_token_id=None) -> int:
+        """Queue a request; returns its id. Checks everything now (a ValueError names the argument)."""
+        row = check_prompts([prompt_ids], 1, self.max_seq_len, self.vocab_size, "add_request")[0]
+        args = parse_generate_args(1, self.vocab_size, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
+        n, total = len(row), len(row) + args.max_new[0] - 1
+        if total > self.max_seq_len:
+            raise ValueError(f"add_request: prompt_ids ({n} tokens) + max_new_tokens ({args.max_new[0]}) - 1 = "
+                             f"{total} > max_seq_len {self.max_seq_len}")
+        need = -(-total // self.page_size)
+        if need > self.allocator.num_pages - 1:
+            raise ValueError(f"add_request: prompt_ids ({n} tokens) + max_new_tokens ({args.max_new[0]}) need "
+                             f"{need} pages of {self.page_size} positions; the pool has "
+                             f"{self.allocator.num_pages - 1} (num_pages - 1 dummy)")
+        rid = self._next_id
+        self._next_id += 1
+        req = _Request(rid, rid, row.tolist(), args.max_new[0], args.temperature[0], args.top_k[0], args.top_p[0],
+                       args.seed[0], frozenset(args.eos[0]))
+        self._requests[rid] = req
+        self._waiting.append(req)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Stop a waiting or running request; its pages are freed. ``step`` reports it once, with
+        ``finish_reason="abort"``."""
+        req = self._requests.get(request_id) if isinstance(request_id, int) else None
+        if req is None or getattr(req, "aborted", False):
+            raise ValueError(f"abort: request_id={request_id!r} is not a waiting or running request")
+        if req in self._waiting:
+            self._waiting.remove(req)
+        else:
+            self._release(req)
+        req.aborted = True
+        self._stats["aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ------------------------------------------------------------------ the iteration
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration (admit, prefill, decode, stop checks) -> what each request got."""
+        t0 = time.perf_counter()
+        outputs = [RequestOutput(r.rid, [], True, "abort", r.cached_tokens)
+                   for r in list(self._requests.values()) if getattr(r, "aborted", False)]
+        for o in outputs:
+            del self._requests[o.request_id]
+        self._admit()
+        prefill = self._plan_prefill()
+        decode = [r for r in self._slots if r is not None and r.generated and r.computed == len(r.tokens) - 1]
+        decode = self._reserve(decode, lambda r: r.computed + 1)
+        prefill = [(r, n) for r, n in prefill if r.slot is not None]
+        results = []
+        if prefill:
+            results.append(("prefill", prefill, self._run_prefill(prefill)))
+        decode = [r for r in decode if r.slot is not None]
+        if decode:
+            results.append(("decode", decode, self._run_decode(decode)))
+        if results:
+            picked = torch.cat([tok for _, _, tok in results]).tolist()  # the iteration's one sync
+            i = 0
+            for kind, batch, _ in results:
+                for item in batch:
+                    req = item[0] if kind == "prefill" else item
+                    tok = picked[i]
+                    i += 1
+                    out = self._advance(req, kind, item, tok)
+                    if out is not None:
+                        outputs.append(out)
+            self._stats["steps"] += 1
+        self._stats["busy_time_s"] += time.perf_counter() - t0
+        return outputs
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens=32, *, temperature=None, top_k=None,
+                 top_p=None, seed=None, eos_token_id=None) -> list[list[int]]:
+        """``Generator.generate``'s contract over the engine: the new tokens of every prompt. Each
+        keyword is one value or one per prompt; an int ``seed`` ``s`` seeds prompt ``i`` with
+        ``s + i`` (as ``Generator``)."""
+        check_prompts(prompts, len(prompts) if isinstance(prompts, (list, tuple)) else 1, self.max_seq_len,
+                      self.vocab_size, "generate")
+        args = parse_generate_args(len(prompts), self.vocab_size, max_new_tokens, temperature, top_k, top_p, seed,
+                                   eos_token_id)
+        ids = [self.add_request(p, args.max_new[i], temperature=args.temperature[i], top_k=args.top_k[i],
+                                top_p=args.top_p[i], seed=args.seed[i], eos_token_id=args.eos[i] or None)
+               for i, p in enumerate(prompts)]
+        got = {rid: [] for rid in ids}
+        while any(rid in self._requests for rid in ids):
+            for out in self.step():
+                if out.request_id in got:
+                    got[out.request_id] += out.new_token_ids
+        return [got[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ admission and pages
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            req = self._waiting[0]
+            shared, snap = self.cache.match(req.tokens[: req.prefill_target + 1])
+            hit = len(shared) * self.page_size
+            need = -(-(req.prefill_target + 1) // self.page_size) - len(shared)
+            evictable = sum(1 for e in self.cache.entries.values() if e.users == 0)
+            if need > self.allocator.num_free + evictable:
+                self.cache.release(shared)
+                return
+            self._waiting.pop(0)
+            slot = self._slots.index(None)
+            self._slots[slot] = req
+            req.slot, req.shared, req.own, req.computed, req.snapshots = slot, shared, [], hit, {}
+            req.decode_snapshot = None
+            if not req.generated:
+                req.cached_tokens = hit
+                self._stats["prompt_tokens"] += len(req.prompt)
+                self._stats["prefix_hit_tokens"] += hit
+            self._block_table[slot].zero_()
+            for i, e in enumerate(shared):
+                self._block_table[slot, i] = e.page
+            self._table_dirty = True
+            self.pool.slot_len[slot] = hit
+            if snap is not None:
+                for store, ring in zip(self._snapshots, self.pool.ring_tensors()):
+                    ring[slot].copy_(store[snap])
+
+    def _ensure_pages(self, req: _Request, end: int) -> None:
+        """Pages for positions ``< end`` (raises OutOfPages)."""
+        while len(req.pages) * self.page_size < end:
+            page = self.cache.take_page()
+            self._block_table[req.slot, len(req.pages)] = page
+            req.own.append(page)
+            self._table_dirty = True
+
+    def _reserve(self, batch, end_of):
+        """Give every request of ``batch`` its pages, preempting the newest running request while
+        none is free; returns the requests still running."""
+        for req in sorted(batch, key=lambda r: r.arrival):
+            while req.slot is not None:
+                try:
+                    self._ensure_pages(req, end_of(req))
+                    break
+                except OutOfPages:
+                    victim = max((r for r in self._slots if r is not None), key=lambda r: r.arrival)
+                    self._preempt(victim)
+        return [r for r in batch if r.slot is not None]
+
+    def _preempt(self, req: _Request) -> None:
+        self._release(req)
+        self._stats["preemptions"] += 1
+        self._waiting.append(req)
+        self._waiting.sort(key=lambda r: r.arrival)
+
+    def _release(self, req: _Request) -> None:
+        """Free ``req``'s slot: publish its full computed pages and snapshots, drop its references."""
+        if req.slot is None:
+            return
+        rejected = self.cache.publish(req.tokens[: req.computed], req.pages, req.snapshots)
+        for snap in rejected:
+            self.cache.give_back_snapshot(snap)
+        for page in req.own:
+            if self.allocator.unref(page):
+                self.allocator.give_back(page)
+        self.cache.release(req.shared)
+        self._slots[req.slot] = None
+        self._block_table[req.slot].zero_()
+        self._table_dirty = True
+        req.slot, req.shared, req.own, req.snapshots = None, [], [], {}
+
+    # ------------------------------------------------------------------ steps
+    def _plan_prefill(self) -> list[tuple[_Request, int]]:
+        todo = sorted((r for r in self._slots if r is not None and r.computed < r.prefill_target),
+                      key=lambda r: r.arrival)[: self.prefill_rows]
+        batch = [(r, min(self.prefill_chunk, r.prefill_target - r.computed)) for r in todo]
+        ends = {r.rid: r.computed + n for r, n in batch}
+        kept = self._reserve([r for r, _ in batch], lambda r: ends[r.rid])
+        return [(r, n) for r, n in batch if r in kept]
+
+    def _sync_table(self) -> None:
+        if self._table_dirty:
+            self.pool.block_table.copy_(self._block_table, non_blocking=True)
+            self._table_dirty = False
+
+    def _params(self, reqs: list[_Request], bucket: int) -> tuple[SamplingParams, bool]:
+        pad = bucket - len(reqs)
+        cols = (([r.temperature for r in reqs] + [0.0] * pad, torch.float32),
+                ([r.top_k for r in reqs] + [0] * pad, torch.int64),
+                ([r.top_p for r in reqs] + [1.0] * pad, torch.float32),
+                ([r.seed for r in reqs] + [0] * pad, torch.int64))
+        params = SamplingParams(*(torch.tensor(v, dtype=d).to(self.device) for v, d in cols))
+        filtered = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
+        return params, filtered
+
+    def _run_prefill(self, batch: list[tuple[_Request, int]]) -> torch.Tensor:
+        bucket = next(b for b in self.prefill_buckets if b >= len(batch))
+        C = self.prefill_chunk
+        ids = torch.zeros(bucket, C, dtype=torch.long)
+        rows = torch.full((bucket,), self.max_running, dtype=torch.long)  # padding: the dummy slot
+        n_new = torch.zeros(bucket, dtype=torch.int32)
+        for i, (r, n) in enumerate(batch):
+            ids[i, :n] = torch.tensor(r.tokens[r.computed: r.computed + n])
+            rows[i], n_new[i] = r.slot, n
+        params, filtered = self._params([r for r, _ in batch], bucket)
+        self._sync_table()
+        tokens, _ = self._run("prefill", bucket, filtered, ids.to(self.device), rows.to(self.device),
+                              n_new.to(self.device), params)
+        self._stats["prefill_steps"] += 1
+        return tokens[: len(batch)]
+
+    def _run_decode(self, batch: list[_Request]) -> torch.Tensor:
+        top = max(r.slot for r in batch) + 1
+        bucket = next(b for b in self.decode_buckets if b >= top)
+        ids = torch.zeros(bucket, 1, dtype=torch.long)
+        n_new = torch.zeros(bucket, dtype=torch.int32)
+        by_slot: list[_Request | None] = [None] * bucket
+        for r in batch:
+            ids[r.slot, 0], n_new[r.slot], by_slot[r.slot] = r.tokens[-1], 1, r
+        reqs = [r for r in by_slot if r is not None]
+        params, filtered = self._params_by_slot(by_slot)
+        self._sync_table()
+        tokens, _ = self._run("decode", bucket, filtered, ids.to(self.device), None, n_new.to(self.device), params)
+        self._stats["decode_steps"] += 1
+        batch.sort(key=lambda r: r.slot)  # the order of the tokens read back
+        index = torch.tensor([r.slot for r in reqs], device=self.device)
+        return tokens[index]
+
+    def _params_by_slot(self, by_slot: list[_Request | None]) -> tuple[SamplingParams, bool]:
+        filler = _Request(-1, -1, [], 1, 0.0, 0, 1.0, 0, frozenset())
+        return self._params([r or filler for r in by_slot], len(by_slot))
+
+    def _fn(self, kind: str, filtered: bool):
+        key = (kind, filtered)
+        if key not in self._fns:
+            fn = functools.partial(pool_step, self.model, self.pool, filtered=filtered)
+            if self.compiled:
+                fn = torch.compile(fn, fullgraph=True, dynamic=False,
+                                   options={"triton.cudagraphs": self.cuda_graphs})
+            self._fns[key] = fn
+        return self._fns[key]
+
+    def _run(self, kind: str, bucket: int, filtered: bool, ids, rows, n_new, params):
+        counters = torch._dynamo.utils.counters
+        graphs_before = counters["stats"]["unique_graphs"]
+        breaks_before = sum(counters["graph_break"].values())
+        replays_before = replays()
+        t0 = time.perf_counter()
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 64)  # one graph per (kind, bucket, filtered)
+        try:
+            with torch.no_grad():
+                out = self._fn(kind, filtered)(ids, rows, n_new, params)
+        finally:
+            torch._dynamo.config.recompile_limit = limit
+        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+        self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
+        if self.compiled and new_graphs:
+            self._stats["compile_time_s"] += time.perf_counter() - t0
+            key = (kind, bucket, filtered)
+            self._graphs[key] = self._graphs.get(key, 0) + new_graphs
+            self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
+        if self.cuda_graphs:
+            self._stats["cuda_graph_replays"] += replays() - replays_before
+            out = tuple(t.clone() for t in out)
+        return out
+
+    # ------------------------------------------------------------------ after a step
+    def _advance(self, req: _Request, kind: str, item, tok: int) -> RequestOutput | None:
+        if kind == "prefill":
+            n = item[1]
+            req.computed += n
+            self._maybe_snapshot(req, prefill=True)
+            if req.computed < req.prefill_target or req.generated:
+                return None  # more prompt to go, or a resumed request whose next token is known
+        else:
+            req.computed += 1
+            self._maybe_snapshot(req, prefill=False)
+        req.generated.append(tok)
+        self._stats["generated_tokens"] += 1
+        reason = "stop" if tok in req.eos else "length" if len(req.generated) >= req.max_new else None
+        if reason is not None:
+            self._release(req)
+            del self._requests[req.rid]
+            self._stats["finished"] += 1
+        new = [tok]
+        return RequestOutput(req.rid, new, reason is not None, reason, req.cached_tokens)
+
+    def _maybe_snapshot(self, req: _Request, prefill: bool) -> None:
+        """At a page boundary: save the slot's rings if a later request may resume here (in a
+        prompt: every ``snapshot_interval`` pages and the prompt's last boundary; while decoding:
+        the latest boundary only)."""
+        if not self.cache.enabled or req.computed % self.page_size:
+            return
+        depth = req.computed // self.page_size
+        if depth in req.snapshots or depth <= len(req.shared):
+            return
+        if prefill:
+            last = (req.prefill_target - 1) // self.page_size
+            if depth % self.snapshot_interval and depth != last:
+                return
+        elif req.decode_snapshot is not None:
+            self.cache.give_back_snapshot(req.snapshots.pop(req.decode_snapshot))
+        snap = self.cache.take_snapshot_slot()
+        if snap is None:
+            return
+        for store, ring in zip(self._snapshots, self.pool.ring_tensors()):
+            store[snap].copy_(ring[req.slot])
+        req.snapshots[depth] = snap
+        if not prefill:
+            req.decode_snapshot = depth
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> dict:
+        """running, waiting, pages_used / pages_free / pages_cached, prefix_hit_tokens and
+        prefix_hit_rate (hit tokens / prompt tokens admitted), preemptions, recompiles, graph_breaks,
+        cuda_graph_replays, generated_tokens, tokens_per_s (generated tokens over the time spent in
+        ``step``, compiling excluded), and the step counts."""
+        s = dict(self._stats)
+        s["running"] = sum(r is not None for r in self._slots)
+        s["waiting"] = len(self._waiting)
+        s["pages_free"] = self.allocator.num_free
+        s["pages_cached"] = self.cache.cached_pages
+        s["pages_used"] = self.allocator.num_pages - 1 - self.allocator.num_free
+        s["prefix_hit_rate"] = s["prefix_hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
+        busy = s["busy_time_s"] - s["compile_time_s"]
+        s["tokens_per_s"] = s["generated_tokens"] / busy if busy > 0 else 0.0
+        return s

@@ -1,0 +1,157 @@
+"""The serving engine's KV pool: per-slot rings, paged compressed history, one block table.
+
+What a request's later tokens read splits in two (serving_design.md §7.1):
+
+* **O(1) per request** — the window ring and the compressor-input rings (main and indexer) —
+  stay per slot: ``[slots, ...]`` rows exactly as ``model.setup_caches`` lays them out, so a
+  decode step over slots ``0..B-1`` hands the ops plain row views (no copy in the hot path).
+* **O(history)** — the compressed CSA / HCA entries and the indexer keys — live in fixed-size
+  pages, one allocation per cache kind and layer, ``[num_pages, entries_per_page, ...]``; page
+  ``i`` holds the same ``page_size`` positions in every layer, so one block table
+  ``int32 [slots, pages_per_request]`` addresses them all. Page 0 is a dummy: padding rows and
+  unused block-table entries point there, and nothing real is ever read from it.
+
+A step gathers each layer's pages into the ``[rows, pages * entries, ...]`` row layout the ops
+read (one layer at a time, so the transient is one layer's worth), runs the layer, and copies
+back the pages holding entries the step emitted. A page shared by a prefix is full (every block
+in it closed), so no step emits into it: sharing needs no copy-on-write. The kernels are the
+same as for the per-row pool; reading pages through the block table inside them would save the
+gather (a follow-up: BENCHMARKS.md says what it costs).
+
+FP8 (``kv_cache_dtype="fp8"``): the same split; a page of a compressed kind is one FlashMLA
+FP8 page of exactly ``entries_per_page`` entries (``fp8_cache.KVLayout`` / ``IndexerLayout``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import CSA, HCA, SLIDING
+from ..model.attention import AttentionState
+from ..model.plan import RingSizes, ring_sizes
+from ..reference import fp8_cache as fp8
+
+__all__ = ["LayerPages", "PagedKVPool", "RING_FIELDS"]
+
+RING_FIELDS = ("window", "kv_ring", "gate_ring", "idx_kv_ring", "idx_gate_ring")
+
+
+@dataclass
+class LayerPages:
+    """One attention layer's storage: per-slot rings and (compressed layers) paged pools."""
+
+    rings: dict[str, Tensor]  # RING_FIELDS present in this layer -> [slots, ...]
+    pool: Tensor | None  # [num_pages, epp, D] float or [num_pages, epp, bytes] uint8
+    idx_pool: Tensor | None
+    epp: int  # compressed entries per page (page_size / ratio)
+    fp8: bool
+
+    def state(self, rows: Tensor | None, B: int, block_table: Tensor) -> AttentionState:
+        """The ops' row layout for this step: ring views of slots ``0..B-1`` (``rows=None``) or
+        copies of the ``rows`` slots; the pools gathered through ``block_table [B, P]``."""
+        rings = {k: (t[:B] if rows is None else t[rows]) for k, t in self.rings.items()}
+        return AttentionState(**rings, pool=self._gather(self.pool, block_table),
+                              idx_pool=self._gather(self.idx_pool, block_table))
+
+    def _gather(self, pages: Tensor | None, block_table: Tensor) -> Tensor | None:
+        if pages is None:
+            return None
+        view = pages[block_table.long()]  # [B, P, epp, width]
+        return view if self.fp8 else view.flatten(1, 2)
+
+    def write_back(self, state: AttentionState, rows: Tensor | None, block_table: Tensor, emit: Tensor) -> None:
+        """Store what the step wrote: the pages holding the entries in ``emit [B, E]`` (-1 = none,
+        which goes to the dummy page 0), and, for copied rows, the rings."""
+        if rows is not None:
+            for k, t in self.rings.items():
+                t.index_copy_(0, rows, getattr(state, k))
+        for pages, view in ((self.pool, state.pool), (self.idx_pool, state.idx_pool)):
+            if pages is None:
+                continue
+            B = emit.shape[0]
+            logical = torch.where(emit >= 0, emit // self.epp, 0).long()  # [B, E]
+            physical = torch.where(emit >= 0, block_table.long().gather(1, logical), 0)
+            paged = view.view(B, -1, *pages.shape[1:])  # [B, P, epp, width]
+            src = paged[torch.arange(B, device=emit.device)[:, None], logical]  # [B, E, epp, width]
+            pages.index_copy_(0, physical.flatten(), src.flatten(0, 1))
+
+
+class PagedKVPool:
+    """Rings for ``slots`` request slots and ``num_pages`` pages of ``page_size`` positions for
+    every attention layer of ``model`` (main layers only: MTP is not served from pages yet).
+
+    ``slot_len [slots] int32`` (positions cached per slot) and ``block_table [slots, P] int32``
+    are device buffers with static addresses; the engine fills them, the compiled steps read
+    them and advance ``slot_len``.
+    """
+
+    def __init__(self, model, slots: int, max_seq_len: int, num_pages: int, page_size: int,
+                 kv_cache_dtype: str = "auto", dtype: torch.dtype | None = None) -> None:
+        cfg = model.config
+        self.config, self.slots, self.page_size, self.num_pages = cfg, slots, page_size, num_pages
+        self.pages_per_request = -(-max_seq_len // page_size)
+        self.max_seq_len = max_seq_len
+        self.fp8 = kv_cache_dtype == "fp8"
+        self.rings: RingSizes = ring_sizes(cfg)
+        device = model.device
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else dtype or model.dtype
+        self.dtype = dtype
+        self.layers = [self._layer(layer.self_attn, dtype, device) for layer in model.model.layers]
+        self.slot_len = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(slots, self.pages_per_request, dtype=torch.int32, device=device)
+        for t in self.buffers():
+            torch._dynamo.mark_static_address(t)
+
+    def _layer(self, attn, dtype: torch.dtype, device) -> LayerPages:
+        st = attn.new_state(self.slots, 1, self.rings, dtype, device, self.fp8)
+        rings = {k: getattr(st, k) for k in RING_FIELDS if getattr(st, k) is not None}
+        if attn.layer_type == SLIDING:
+            return LayerPages(rings, None, None, 0, self.fp8)
+        ratio = attn.ratio
+        epp = self.page_size // ratio
+        D, rope = attn.head_dim, self.config.rope_head_dim
+        pool = self._pages(epp, D, fp8.KVLayout(D, rope, epp) if self.fp8 else None, dtype, device)
+        idx_pool = None
+        if attn.layer_type == CSA:
+            DI = self.config.index_head_dim
+            idx_pool = self._pages(epp, DI, fp8.IndexerLayout(DI, epp) if self.fp8 else None, dtype, device)
+        else:
+            assert attn.layer_type == HCA
+        return LayerPages(rings, pool, idx_pool, epp, self.fp8)
+
+    def _pages(self, epp: int, width: int, layout, dtype, device) -> Tensor:
+        if layout is None:
+            return torch.zeros(self.num_pages, epp, width, dtype=dtype, device=device)
+        _, _, page, entry_bytes = layout.shape(self.num_pages, epp)
+        return torch.zeros(self.num_pages, page, entry_bytes, dtype=torch.uint8, device=device)
+
+    def buffers(self) -> list[Tensor]:
+        out = [self.slot_len, self.block_table]
+        for lp in self.layers:
+            out += list(lp.rings.values()) + [t for t in (lp.pool, lp.idx_pool) if t is not None]
+        return out
+
+    def ring_tensors(self) -> list[Tensor]:
+        """Every per-slot ring of every layer (what a prefix snapshot saves), in a fixed order."""
+        return [t for lp in self.layers for t in lp.rings.values()]
+
+    def nbytes(self) -> dict[str, int]:
+        ring = sum(t.numel() * t.element_size() for t in self.ring_tensors())
+        paged = sum(t.numel() * t.element_size() for lp in self.layers for t in (lp.pool, lp.idx_pool)
+                    if t is not None)
+        return {"rings": ring, "pages": paged, "page": paged // self.num_pages}
+
+    @staticmethod
+    def page_bytes(model, page_size: int, kv_cache_dtype: str = "auto") -> int:
+        """Bytes one page takes over every layer (to size ``num_pages`` from a memory budget)."""
+        probe = PagedKVPool.__new__(PagedKVPool)
+        probe.config, probe.slots, probe.page_size, probe.num_pages = model.config, 1, page_size, 1
+        probe.fp8, probe.rings = kv_cache_dtype == "fp8", ring_sizes(model.config)
+        dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else model.dtype
+        total = 0
+        for layer in model.model.layers:
+            lp = probe._layer(layer.self_attn, dtype, "meta")
+            total += sum(t.numel() * t.element_size() for t in (lp.pool, lp.idx_pool) if t is not None)
+        return total
