@@ -2,7 +2,7 @@
 
 The tests are grouped by capability: ``ops/<op>/`` (each op's contract, reference, kernels,
 cross-compiles and routes, with the op's own inputs in ``<op>_cases.py`` there), ``ops/`` (what spans the
-ops), ``model/``, ``runtime/``, ``hf/``, ``export/``, ``parallel/``, ``project/``. pytest imports them by
+ops), ``model/``, ``runtime/``, ``serve/``, ``hf/``, ``export/``, ``parallel/``, ``project/``. pytest imports them by
 basename (the default "prepend" mode; no ``__init__.py``), so every module name under tests/ is unique,
 and the helpers beside this file (``launchers``, ``cross_compile``, ``fp8_cases``, ``model_util``, ...) are
 importable from every folder; subprocess workers get them through ``compiled_worker``'s ``PYTHONPATH``.

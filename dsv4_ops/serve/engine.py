@@ -512,7 +512,8 @@ class Engine:
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict:
-        """running, waiting, pages_used / pages_free / pages_cached, prefix_hit_tokens and
+        """running, waiting, pages_used (held by requests or the cache) / pages_free / pages_cached,
+        prefix_evictions, prefix_hit_tokens and
         prefix_hit_rate (hit tokens / prompt tokens admitted), preemptions, recompiles, graph_breaks,
         cuda_graph_replays, generated_tokens, tokens_per_s (generated tokens over the time spent in
         ``step``, compiling excluded), and the step counts."""
@@ -521,6 +522,7 @@ class Engine:
         s["waiting"] = len(self._waiting)
         s["pages_free"] = self.allocator.num_free
         s["pages_cached"] = self.cache.cached_pages
+        s["prefix_evictions"] = self.cache.evictions
         s["pages_used"] = self.allocator.num_pages - 1 - self.allocator.num_free
         s["prefix_hit_rate"] = s["prefix_hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
         busy = s["busy_time_s"] - s["compile_time_s"]

@@ -92,6 +92,7 @@ class PrefixCache:
         self.entries: dict[bytes, PageEntry] = {}
         self.free_snapshots: list[int] = list(range(num_snapshots - 1, -1, -1))
         self.snapshot_owner: dict[int, bytes] = {}
+        self.evictions = 0  # pages evicted under memory pressure
         self._tick = 0
 
     # ------------------------------------------------------------------ lookup
@@ -186,6 +187,7 @@ class PrefixCache:
             self.entries[e.parent].children.discard(e.key)
         if self.alloc.unref(e.page):
             self.alloc.give_back(e.page)
+        self.evictions += 1
         return True
 
     def take_page(self) -> int:

@@ -24,6 +24,7 @@ from .pool import PagedKVPool
 __all__ = ["pool_step"]
 
 
+@torch.no_grad()
 def pool_step(model, pool: PagedKVPool, ids: Tensor, rows: Tensor | None, n_new: Tensor, params: SamplingParams,
               filtered: bool) -> tuple[Tensor, Tensor]:
     """One step -> ``(tokens [B], logits [B, vocab])``: each row's next token (drawn at position
