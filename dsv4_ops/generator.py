@@ -12,14 +12,13 @@ inputs, so new temperatures or top-p values reuse the graphs.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from . import cudagraph_replays, sampling
-from .cudagraph_replays import replays
+from .compiled_steps import CompiledSteps, compile_step
 from .generation_loop import GenerationLoop, PreparedBatch, check_int, pad_rows
 from .sampling import SamplingParams
 from .speculative import SpecDecoding
@@ -33,20 +32,6 @@ def _buckets(max_batch_size: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_batch_size]
-
-
-def compile_options(cuda_graphs: bool, pdl: bool) -> dict:
-    """Inductor options of the compiled steps: ``mode="reduce-overhead"`` is ``triton.cudagraphs``
-    (``torch._inductor.list_mode_options``), spelled as an option so that ``triton.enable_pdl`` can
-    join it (``torch.compile`` takes a mode or options, not both)."""
-    options = {"triton.cudagraphs": cuda_graphs}
-    if pdl:
-        options["triton.enable_pdl"] = True
-    return options
-
-
-def _compile(fn, cuda_graphs: bool, pdl: bool = False):
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options(cuda_graphs, pdl))
 
 
 class Generator(GenerationLoop):
@@ -114,28 +99,24 @@ class Generator(GenerationLoop):
         self.compiled = compile
         self.pdl = pdl  # Inductor uses it on sm_90+ NVIDIA GPUs; elsewhere the option is a no-op
         self.buckets = _buckets(max_batch_size)
-        # every (step kind, bucket) is its own graph of the same code (the model's forward), and dynamo
-        # falls back to eager past `recompile_limit` graphs per code object (default 8): our calls
-        # raise it while they run, and leave the process's setting alone
-        self._recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # device-side state: a row's only mutable scalar is its length; one static view per bucket
         self.lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._lengths = {b: self.lengths[:b] for b in self.buckets}
         for t in [self.lengths, *self._lengths.values()]:
             torch._dynamo.mark_static_address(t)
         self._bucket = 0
-        self._forward = _compile(model, self.cuda_graphs, self.pdl) if compile else model
+        self._forward = compile_step(model, self.cuda_graphs, self.pdl) if compile else model
         self._steps: dict[str, object] = {}
-        self._graphs: dict[tuple[str, int], int] = {}  # graphs compiled per (step kind, bucket)
         self.spec = SpecDecoding(self, spec_steps, _draft) if spec_steps else None
         self._init_loop()
+        self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ running a step
     def _compiled(self, kind: str):
         """The step function of ``kind``, compiled once per generator (when ``compile=True``)."""
         if kind not in self._steps:
             fn = self._step_fn(kind)
-            self._steps[kind] = _compile(fn, self.cuda_graphs, self.pdl) if self.compiled else fn
+            self._steps[kind] = compile_step(fn, self.cuda_graphs, self.pdl) if self.compiled else fn
         return self._steps[kind]
 
     def _step_fn(self, kind: str):
@@ -151,30 +132,12 @@ class Generator(GenerationLoop):
         return functools.partial(sampling.sample, filtered=filtered)
 
     def _run(self, kind: str, bucket: int, fn, *args, **kwargs):
-        counters = torch._dynamo.utils.counters
-        graphs_before = counters["stats"]["unique_graphs"]
-        breaks_before = sum(counters["graph_break"].values())
-        replays_before = replays()
-        t0 = time.perf_counter()
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=self._recompile_limit):
-            out = fn(*args, **kwargs)
-        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
-        self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
-        if self.compiled and new_graphs:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self._stats["compile_time_s"] += time.perf_counter() - t0
-            key = (kind, bucket)
-            self._graphs[key] = self._graphs.get(key, 0) + new_graphs
-            self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
-        if self.cuda_graphs:
-            # count the graphs the call really replayed (not warm-ups, recordings or cudagraph skips)
-            self._stats["cuda_graph_replays"] += replays() - replays_before
-            # graph outputs are overwritten by the next replay
-            out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
-        return out
+        return self._calls.run((kind, bucket), fn, *args, **kwargs)
+
+    @property
+    def _graphs(self) -> dict[tuple, int]:
+        """Graphs compiled per ``(step kind, bucket)``."""
+        return self._calls.graphs
 
     def _step(self, kind: str, ids: Tensor, n_new: Tensor) -> Tensor:
         """One cached model step over ``ids [bucket, S]``; advances the lengths."""

@@ -33,7 +33,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import cudagraph_replays
-from ..cudagraph_replays import replays
+from ..compiled_steps import CompiledSteps, compile_step
 from ..generate_args import parse_generate_args
 from ..generation_loop import check_prompts
 from ..model.kv_cache_dtype import check_kv_cache_dtype
@@ -193,7 +193,6 @@ class Engine:
             cudagraph_replays.install()
         self.decode_buckets, self.prefill_buckets = _buckets(max_running), _buckets(self.prefill_rows)
         self._fns: dict[tuple[str, bool], object] = {}
-        self._graphs: dict[tuple, int] = {}
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []
         self._slots: list[_Request | None] = [None] * max_running
@@ -201,6 +200,7 @@ class Engine:
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
                            compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0)
+        self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, *, temperature=None, top_k=None,
@@ -431,38 +431,16 @@ class Engine:
         key = (kind, filtered)
         if key not in self._fns:
             fn = functools.partial(pool_step, self.model, self.pool, filtered=filtered)
-            if self.compiled:
-                fn = torch.compile(fn, fullgraph=True, dynamic=False,
-                                   options={"triton.cudagraphs": self.cuda_graphs})
-            self._fns[key] = fn
+            self._fns[key] = compile_step(fn, self.cuda_graphs) if self.compiled else fn
         return self._fns[key]
 
     def _run(self, kind: str, bucket: int, filtered: bool, ids, rows, n_new, params):
-        counters = torch._dynamo.utils.counters
-        graphs_before = counters["stats"]["unique_graphs"]
-        breaks_before = sum(counters["graph_break"].values())
-        replays_before = replays()
-        t0 = time.perf_counter()
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 64)  # one graph per (kind, bucket, filtered)
-        try:
-            with torch.no_grad():
-                out = self._fn(kind, filtered)(ids, rows, n_new, params)
-        finally:
-            torch._dynamo.config.recompile_limit = limit
-        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
-        self._stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
-        if self.compiled and new_graphs:
-            self._stats["compile_time_s"] += time.perf_counter() - t0
-            key = (kind, bucket, filtered)
-            self._graphs[key] = self._graphs.get(key, 0) + new_graphs
-            self._stats["recompiles"] = sum(max(0, g - 1) for g in self._graphs.values())
-        if self.cuda_graphs:
-            self._stats["cuda_graph_replays"] += replays() - replays_before
-            out = tuple(t.clone() for t in out)
-        return out
+        return self._calls.run((kind, bucket, filtered), self._fn(kind, filtered), ids, rows, n_new, params)
+
+    @property
+    def _graphs(self) -> dict[tuple, int]:
+        """Graphs compiled per ``(step kind, bucket, filtered)``."""
+        return self._calls.graphs
 
     # ------------------------------------------------------------------ after a step
     def _advance(self, req: _Request, kind: str, item, tok: int) -> RequestOutput | None:

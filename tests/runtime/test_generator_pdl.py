@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv4_ops import DSV4Config, Generator
-from dsv4_ops.generator import compile_options
+from dsv4_ops.compiled_steps import compile_options
 from model_util import random_model
 
 SM90 = torch.cuda.is_available() and torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9

@@ -1,0 +1,72 @@
+"""Calling compiled steps and counting what the calls cost: the graphs each ``(kind, bucket)`` key
+compiled, graph breaks, CUDA-graph replays and compile time. ``Generator`` and the serving
+``Engine`` run every step through :class:`CompiledSteps`."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cudagraph_replays import replays
+
+__all__ = ["CompiledSteps", "compile_step", "compile_options", "RECOMPILE_LIMIT"]
+
+# every (step kind, bucket) is its own graph of the same code, and dynamo falls back to eager past
+# `recompile_limit` graphs per code object (default 8): the calls raise it while they run and leave the
+# process's setting alone
+RECOMPILE_LIMIT = 64
+
+
+def compile_options(cuda_graphs: bool, pdl: bool = False) -> dict:
+    """Inductor options of the compiled steps: ``mode="reduce-overhead"`` is ``triton.cudagraphs``
+    (``torch._inductor.list_mode_options``), spelled as an option so that ``triton.enable_pdl`` can
+    join it (``torch.compile`` takes a mode or options, not both)."""
+    options = {"triton.cudagraphs": cuda_graphs}
+    if pdl:
+        options["triton.enable_pdl"] = True
+    return options
+
+
+def compile_step(fn, cuda_graphs: bool, pdl: bool = False):
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=compile_options(cuda_graphs, pdl))
+
+
+class CompiledSteps:
+    """Runs step functions and adds to ``stats`` (a dict with ``graph_breaks``, ``recompiles``,
+    ``compile_time_s``, ``cuda_graph_replays``). ``graphs[key]`` counts the graphs compiled per key;
+    ``recompiles`` is every graph past a key's first."""
+
+    def __init__(self, stats: dict, compiled: bool, cuda_graphs: bool, device: torch.device) -> None:
+        self.stats, self.compiled, self.cuda_graphs, self.device = stats, compiled, cuda_graphs, device
+        self.graphs: dict[tuple, int] = {}
+
+    def run(self, key: tuple, fn, *args, **kwargs):
+        counters = torch._dynamo.utils.counters
+        graphs_before = counters["stats"]["unique_graphs"]
+        breaks_before = sum(counters["graph_break"].values())
+        replays_before = replays()
+        t0 = time.perf_counter()
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        config = torch._dynamo.config
+        limit = config.recompile_limit  # set and restored directly: config.patch costs ~20 us a call
+        config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        try:
+            with torch.no_grad():
+                out = fn(*args, **kwargs)
+        finally:
+            config.recompile_limit = limit
+        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+        self.stats["graph_breaks"] += sum(counters["graph_break"].values()) - breaks_before
+        if self.compiled and new_graphs:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.stats["compile_time_s"] += time.perf_counter() - t0
+            self.graphs[key] = self.graphs.get(key, 0) + new_graphs
+            self.stats["recompiles"] = sum(max(0, g - 1) for g in self.graphs.values())
+        if self.cuda_graphs:
+            # count the graphs the call really replayed (not warm-ups, recordings or cudagraph skips)
+            self.stats["cuda_graph_replays"] += replays() - replays_before
+            # graph outputs are overwritten by the next replay
+            out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        return out
