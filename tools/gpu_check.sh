@@ -9,6 +9,7 @@
 #           grid (benchmarks/bench_model.py, bench_spec.py)                            -> bench_flash.*, bench_model.*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
+#   engine  the serving Engine vs the static Generator on the Flash slice, bf16 and fp8 caches (bench_engine.py) -> bench_engine_*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) -> bench_spec.*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
 #           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
@@ -89,6 +90,10 @@ for what in "$@"; do
         prompt=$(python3 -c "print(','.join(str(i % 1000) for i in range(4096)))") &&
         for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" \
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
+    engine) for cache in bf16 fp8; do
+              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
+                --out "$OUT/bench_engine_$cache.json" || rc=1
+            done 2>&1 | quiet | tee "$OUT/bench_engine.log" ;;
     spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
@@ -125,7 +130,7 @@ for what in "$@"; do
         { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
           NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py \
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
-    *) echo "unknown mode $what (tests|files|model|hf|aoti|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|files|model|hf|aoti|engine|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
 exit $rc

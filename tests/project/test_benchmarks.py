@@ -537,3 +537,16 @@ def test_gpu_check_runs_the_shared_memory_poisoning_tests_in_one_process():
     serial = [line for line in mode.splitlines() if '"gpu and smem_poison"' in line]
     assert serial and all("-n" not in line for line in serial)
     assert any('"gpu and not smem_poison"' in line and "-n" in line for line in mode.splitlines())
+
+
+def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tmp_path):
+    from benchmarks import bench_engine
+
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["decode_b1"]["engine_ms"] > 0 and data["decode_b1"]["generator_ms"] > 0
+    assert data["prefix"]["cached_tokens"] == 64  # the whole 64-token system prompt: two 32-position pages
+    t = data["throughput"]
+    assert t["requests"] == 8 and t["stats"]["finished"] == 4 + 8 and t["stats"]["recompiles"] == 0  # warm-up + timed
+    assert data["capacity"]["pages"] > 0

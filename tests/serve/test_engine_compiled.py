@@ -2,6 +2,7 @@
 joining and leaving, no recompiles and no graph breaks, and the compiled tokens are the eager ones."""
 import random
 
+import pytest
 import torch
 
 from engine_cases import CHUNK, engine, random_prompts, run_arriving, tiny_model
@@ -22,4 +23,22 @@ def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps():
     assert all(n == 1 for n in eng._graphs.values())
     want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20), reqs,
                         random.Random(0))
+    assert [got[i][0] for i in range(len(reqs))] == [want[i][0] for i in range(len(reqs))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_after_warm_up_and_requests_coming_and_going_record_none():
+    torch._dynamo.reset()
+    model = tiny_model(4).cuda()
+    rng = random.Random(5)
+    reqs = [dict(prompt_ids=p, max_new_tokens=rng.randint(8, 20)) for p in random_prompts(rng, 12, (1, 60))]
+    eng = engine(model, max_running=2, max_prefill_tokens=CHUNK, compile=True, num_pages=20)
+    assert eng.cuda_graphs
+    run_arriving(eng, reqs[:4], random.Random(1))  # warm-up: every (kind, bucket) graph compiled and recorded
+    graphs, replays = dict(eng._graphs), eng.stats["cuda_graph_replays"]
+    got = run_arriving(eng, reqs, random.Random(2))
+    assert eng._graphs == graphs and eng.stats["recompiles"] == 0 and eng.stats["graph_breaks"] == 0
+    assert eng.stats["cuda_graph_replays"] - replays >= eng.stats["steps"] // 2
+    want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20), reqs, random.Random(2))
     assert [got[i][0] for i in range(len(reqs))] == [want[i][0] for i in range(len(reqs))]

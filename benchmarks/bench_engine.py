@@ -1,0 +1,170 @@
+"""The serving engine (``dsv4_ops.serve.Engine``) against the static ``Generator`` on the same model,
+through the public calls (issue #44's GPU numbers):
+
+* **decode step at batch 1**: ``engine.generate([prompt], n)`` and ``Generator.generate`` for two
+  values of ``n``; the step is the time difference over the step-count difference (prefill and
+  fixed costs cancel, as in bench_spec.py);
+* **prefix hit vs cold TTFT**: a ``--system``-token shared system prompt + a short question, the
+  time from ``add_request`` to the first token, once cold (``prefix_cache=False``) and once after
+  another request published the prefix;
+* **throughput at ``--concurrency`` requests of mixed lengths** (prompts and ``max_new_tokens``
+  drawn uniformly): the engine with every request queued at once vs the ``Generator`` running the
+  same requests in static batches of ``--concurrency`` (each batch waits for its longest member);
+* **capacity**: the longest context per request for ``--concurrency`` requests that the paged pool
+  can hold in the memory today's per-row pool takes for ``--max-seq-len``, and what the per-row pool
+  would need;
+* CUDA-graph replays, recompiles and graph breaks after warm-up (the engine's ``stats``).
+
+    python3 benchmarks/bench_engine.py --config flash-slice --out out/bench_engine.json   # GPU (gpu_check.sh engine)
+    python3 benchmarks/bench_engine.py --smoke --out /tmp/engine.json                       # tiny config, eager, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
+
+from benchmarks.bench_model import bench_config  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
+from dsv4_ops import Generator  # noqa: E402
+from dsv4_ops.serve import Engine  # noqa: E402
+from dsv4_ops.serve.pool import PagedKVPool  # noqa: E402
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def decode_step_ms(run, steps_of, device, n_short: int, n_long: int) -> float:
+    run(n_short)  # warm-up: compiles and records
+    run(n_long)
+    s0 = steps_of()
+    t_short = _timed(lambda: run(n_short), device)
+    s1 = steps_of()
+    t_long = _timed(lambda: run(n_long), device)
+    s2 = steps_of()
+    return 1e3 * (t_long - t_short) / max(1, (s2 - s1) - (s1 - s0))
+
+
+def ttft_s(eng: Engine, prompt: list[int], device) -> tuple[float, int]:
+    _sync(device)
+    t0 = time.perf_counter()
+    rid = eng.add_request(prompt, max_new_tokens=2)
+    first, cached = None, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid and o.new_token_ids and first is None:
+                _sync(device)
+                first, cached = time.perf_counter() - t0, o.cached_tokens
+    return first, cached
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", choices=CONFIGS, default="flash-slice")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="tiny config, eager, small sizes (CPU)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-seq-len", type=int, default=8192)
+    ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    device, cfg, model = bench_setup(args, "bench_engine.py", bench_config)
+    if args.smoke:
+        args.concurrency, args.max_seq_len, args.system, args.page_size = 4, 256, 64, 32
+    compile_ = not args.smoke
+    rng = random.Random(0)
+    N = args.concurrency
+    common = dict(max_seq_len=args.max_seq_len, compile=compile_, kv_cache_dtype=args.kv_cache_dtype)
+    eng_kw = dict(common, page_size=args.page_size)
+    result = dict(script="benchmarks/bench_engine.py", date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  torch=torch.__version__, config=args.config if not args.smoke else "tiny", args=vars(args))
+
+    # 1. decode step at batch 1 (4K-token prompt on the GPU)
+    prompt = [rng.randrange(cfg.vocab_size) for _ in range(min(4096, args.max_seq_len // 2))]
+    n_short, n_long = (4, 12) if args.smoke else (16, 144)
+    gen = Generator(model, max_batch_size=1, prefill_chunk=min(args.page_size, 2048), **common)
+    g_ms = decode_step_ms(lambda n: gen.generate([prompt], max_new_tokens=n), lambda: gen.stats["decode_steps"],
+                          device, n_short, n_long)
+    eng = Engine(model, max_running=1, prefix_cache=False, **eng_kw)
+    e_ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
+                          device, n_short, n_long)
+    result["decode_b1"] = dict(context=len(prompt), generator_ms=g_ms, engine_ms=e_ms, ratio=e_ms / g_ms)
+    print(f"decode b1 x {len(prompt)}: Generator {g_ms:.3f} ms  Engine {e_ms:.3f} ms  ({e_ms / g_ms:.2f}x)")
+    del eng
+
+    # 2. shared system prompt: TTFT cold vs with a prefix hit
+    system = [rng.randrange(cfg.vocab_size) for _ in range(args.system)]
+    q = [[rng.randrange(cfg.vocab_size) for _ in range(32)] for _ in range(3)]
+    eng = Engine(model, max_running=2, **eng_kw)
+    ttft_s(eng, system + q[0], device)  # warm-up (compiles) and publishes the prefix
+    hit, cached = ttft_s(eng, system + q[1], device)
+    cold_eng = Engine(model, max_running=2, prefix_cache=False, **eng_kw)
+    ttft_s(cold_eng, system + q[0], device)  # warm-up
+    cold, _ = ttft_s(cold_eng, system + q[2], device)
+    result["prefix"] = dict(system_tokens=args.system, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached,
+                            ratio=hit / cold)
+    print(f"TTFT, {args.system}-token system prompt: cold {cold * 1e3:.1f} ms  hit {hit * 1e3:.1f} ms "
+          f"({cached} cached, {hit / cold:.2f}x)")
+    del eng, cold_eng
+
+    # 3. throughput: N concurrent requests of mixed lengths, engine vs static Generator batches
+    hi = args.max_seq_len // 4
+    reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
+            for _ in range(2 * N)]
+    eng = Engine(model, max_running=N, **eng_kw)
+    eng.generate([p for p, _ in reqs[:N]], [n for _, n in reqs[:N]])  # warm-up: every bucket compiles
+    tokens = sum(n for _, n in reqs)
+    t_eng = _timed(lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs]), device)
+    gen = Generator(model, max_batch_size=N, prefill_chunk=min(args.page_size, 2048), **common)
+    gen.generate([p for p, _ in reqs[:N]], [n for _, n in reqs[:N]])
+    t_gen = _timed(lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])
+                            for i in range(0, len(reqs), N)], device)
+    s = eng.stats
+    result["throughput"] = dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=t_eng,
+                                generator_s=t_gen, engine_tok_s=tokens / t_eng, generator_tok_s=tokens / t_gen,
+                                ratio=t_gen / t_eng, stats=s)
+    print(f"{len(reqs)} requests at concurrency {N}: Engine {tokens / t_eng:.0f} tok/s, static Generator "
+          f"{tokens / t_gen:.0f} tok/s ({t_gen / t_eng:.2f}x); recompiles {s['recompiles']}, graph breaks "
+          f"{s['graph_breaks']}, CUDA-graph replays {s['cuda_graph_replays']}")
+
+    # 4. capacity: the per-row pool's bytes for N x max_seq_len, spent on pages instead
+    per_row = model.setup_caches(N, args.max_seq_len, kv_cache_dtype=args.kv_cache_dtype) and model.cache_nbytes()
+    model.clear_caches()
+    page = PagedKVPool.page_bytes(model, args.page_size, args.kv_cache_dtype)
+    ring = eng.pool.nbytes()["rings"] * N // (N + 1)
+    pages = (per_row - ring) // page
+    result["capacity"] = dict(per_row_pool_bytes=per_row, page_bytes=page, ring_bytes=ring, pages=int(pages),
+                              tokens_total=int(pages * args.page_size),
+                              mean_tokens_per_request=int(pages * args.page_size // N))
+    print(f"capacity: the per-row pool of {N} x {args.max_seq_len} ({per_row / 2**30:.2f} GiB) holds "
+          f"{pages * args.page_size} paged positions: {pages * args.page_size // N} per request on average, "
+          "any mix of lengths")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
