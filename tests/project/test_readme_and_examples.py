@@ -26,7 +26,7 @@ def run(cmd: list[str], cwd: Path, timeout: int = 900) -> str:
 
 
 def test_readme_has_the_snippets_a_newcomer_needs() -> None:
-    assert len(SNIPPETS) == 6
+    assert len(SNIPPETS) == 7
     assert "dsv4_ops.hf.enable" in SNIPPETS[0]  # the HF path is the first thing a HF user sees
     for code in SNIPPETS:
         ast.parse(code)
@@ -39,7 +39,10 @@ def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     assert stdout.strip(), "the snippet printed nothing"
     if i == 1:  # generate: two lists of 16 new tokens, then 0 recompiles and 0 graph breaks
         assert stdout.strip().endswith("0 0")
-    if i == 4:
+    if i == 2:  # serve: the second request starts from the first one's full page of system prompt
+        stats = ast.literal_eval(stdout.strip().splitlines()[-1])
+        assert stats == {"prefix_hit_tokens": 16, "pages_free": stats["pages_free"], "recompiles": 0}
+    if i == 5:
         assert (tmp_path / "build" / "tiny.pt2").is_file()
 
 
