@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--device", default="cpu", help="device the package runs on (cpu or cuda)")
     export.add_argument("--dtype", default=None, help="weights dtype for a checkpoint (e.g. bfloat16)")
     export.add_argument("--seed", type=int, default=0, help="random weights of --config tiny")
+    from .serve import cli as serve_cli
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching, prefix cache)",
+                           description=serve_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_cli.add_arguments(serve)
     sub.add_parser("info", help="versions, devices and the registered ops")
     try:
         args = parser.parse_args(argv)
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                    model_path=args.model)
     if args.cmd == "export":
         return _export(args)
+    if args.cmd == "serve":
+        return serve_cli.run(args)
     if args.cmd == "info":
         import torch
 
