@@ -5,6 +5,7 @@ back to is checked for the same model and limits."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SNIPPETS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+README = (ROOT / "README.md").read_text()
+SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
@@ -26,14 +28,15 @@ def run(cmd: list[str], cwd: Path, timeout: int = 900) -> str:
 
 
 def test_readme_has_the_snippets_a_newcomer_needs() -> None:
-    assert len(SNIPPETS) == 7
+    assert len(SNIPPETS) == 8
     assert "dsv4_ops.hf.enable" in SNIPPETS[0]  # the HF path is the first thing a HF user sees
     for code in SNIPPETS:
         ast.parse(code)
         assert "print(" in code  # every snippet shows its result
 
 
-@pytest.mark.parametrize("i", range(len(SNIPPETS)), ids=lambda i: f"snippet{i + 1}")
+# the server's client snippet needs the server: test_readme_server_commands_run_as_written runs it
+@pytest.mark.parametrize("i", [i for i, s in enumerate(SNIPPETS) if "OpenAI(" not in s], ids=lambda i: f"snippet{i + 1}")
 def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     stdout = run([sys.executable, "-c", SNIPPETS[i]], cwd=tmp_path)
     assert stdout.strip(), "the snippet printed nothing"
@@ -42,8 +45,45 @@ def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     if i == 2:  # serve: the second request starts from the first one's full page of system prompt
         stats = ast.literal_eval(stdout.strip().splitlines()[-1])
         assert stats == {"prefix_hit_tokens": 16, "pages_free": stats["pages_free"], "recompiles": 0}
-    if i == 5:
+    if i == 6:
         assert (tmp_path / "build" / "tiny.pt2").is_file()
+
+
+def test_readme_server_commands_run_as_written(tmp_path: Path) -> None:
+    """The server block: `python -m dsv4_ops serve` (on a free port in place of 8000), its curl line and the
+    openai-client snippet against it; the server is stopped after, bounded in time."""
+    import socket
+    import time
+    import urllib.request
+
+    bash = re.search(r"```bash\n(python -m dsv4_ops serve .*?)```", README, flags=re.S).group(1)
+    serve_line, curl = bash.split("\n", 1)
+    client = next(s for s in SNIPPETS if "OpenAI(" in s)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    argv = serve_line.split("&")[0].split()[1:]
+    argv[argv.index("--port") + 1] = port
+    proc = subprocess.Popen([sys.executable, *argv], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the server did not get ready in 180 s"
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        out = subprocess.run(["bash", "-c", curl.replace("8000", port)], capture_output=True, text=True, timeout=120)
+        body = json.loads(out.stdout)
+        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 16
+        text = run([sys.executable, "-c", client.replace("8000", port)], cwd=tmp_path)
+        assert text.strip()
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_example_compile_your_model(tmp_path: Path) -> None:
