@@ -6,10 +6,10 @@
 #   files   the test files in $TESTS, gpu and cpu tests alike, on the GPU               -> files_tests.log
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
-#           grid (benchmarks/bench_model.py, bench_spec.py)                            -> bench_flash.*, bench_model.*
+#           grid (benchmarks/bench_model.py, bench_spec.py), and the serving Engine vs the static Generator (bf16 and
+#           fp8 caches, bench_engine.py)                                        -> bench_flash.*, bench_model.*, bench_engine_*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
-#   engine  the serving Engine vs the static Generator on the Flash slice, bf16 and fp8 caches (bench_engine.py) -> bench_engine_*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) -> bench_spec.*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
 #           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
@@ -79,8 +79,11 @@ for what in "$@"; do
       { python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --modes graphs \
           --hf-points 1x4096 --hf-budget-s 300 --prefill-chunk 2048 --out "$OUT/bench_flash.json" || rc=1
         flash_b1 "$PWD" bench_flash_step || rc=1
-        python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1; } 2>&1 | quiet \
-        | tee "$OUT/bench_model.log" ;;
+        python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1
+        for cache in bf16 fp8; do  # the serving engine vs the static Generator
+          python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
+            --out "$OUT/bench_engine_$cache.json" || rc=1
+        done; } 2>&1 | quiet | tee "$OUT/bench_model.log" ;;
     hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
       pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
@@ -90,10 +93,6 @@ for what in "$@"; do
         prompt=$(python3 -c "print(','.join(str(i % 1000) for i in range(4096)))") &&
         for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" \
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
-    engine) for cache in bf16 fp8; do
-              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
-                --out "$OUT/bench_engine_$cache.json" || rc=1
-            done 2>&1 | quiet | tee "$OUT/bench_engine.log" ;;
     spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
@@ -130,7 +129,7 @@ for what in "$@"; do
         { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
           NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py \
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
-    *) echo "unknown mode $what (tests|files|model|hf|aoti|engine|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|files|model|hf|aoti|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -40,18 +40,18 @@ def build(args):
 
     from ..hf import load_pretrained
     from ..text import load_tokenizer
-    from ..text.generate_cli import UsageError, _checkpoint, _eos_ids, _model_limit
+    from ..text.generate_cli import UsageError, checkpoint_dir, eos_ids, model_limit
     from .engine import Engine
     from .engine_thread import EngineThread
     from .server import create_app
 
-    path = _checkpoint(args)
+    path = checkpoint_dir(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: this torch sees no CUDA device")
     tokenizer = load_tokenizer(path)
     model = load_pretrained(path, device=device)
-    limit = _model_limit(path, tokenizer)
+    limit = model_limit(path, tokenizer)
     max_seq_len = args.max_seq_len or min(4096, limit)
     if max_seq_len > limit:
         raise UsageError(f"--max-seq-len {max_seq_len} > the model's context {limit}")
@@ -63,7 +63,7 @@ def build(args):
                         compile=compile, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    eos = _eos_ids(path, tokenizer)
+    eos = eos_ids(path, tokenizer)
 
     def warmup(eng) -> None:  # one request through prefill and decode: compiles the first graphs
         eng.generate([tokenizer.encode("Hello")[:1] or [0]], max_new_tokens=2)

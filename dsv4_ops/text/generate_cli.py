@@ -81,7 +81,7 @@ def _check_args(args) -> None:
             bad("--stop", s, "a non-empty string")
 
 
-def _checkpoint(args) -> Path:
+def checkpoint_dir(args) -> Path:
     if args.config == "tiny":
         from .. import pretrained
 
@@ -94,7 +94,7 @@ def _checkpoint(args) -> Path:
     return path
 
 
-def _model_limit(path: Path, tokenizer) -> int:
+def model_limit(path: Path, tokenizer) -> int:
     """Most tokens a sequence may have: config.json's max_position_embeddings (and the tokenizer's limit)."""
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -104,7 +104,7 @@ def _model_limit(path: Path, tokenizer) -> int:
     return min(limits) if limits else 2**31
 
 
-def _eos_ids(path: Path, tokenizer) -> list[int]:
+def eos_ids(path: Path, tokenizer) -> list[int]:
     """The ids that end a generation: generation_config.json's eos_token_id (an int or a list), else the
     tokenizer's EOS."""
     file = path / "generation_config.json"
@@ -142,7 +142,7 @@ def _generate(args, path: Path, tokenizer, ids: list[int], limit: int) -> int:
         gen = Generator(model, max_batch_size=1, max_seq_len=max_seq_len, spec_steps=args.spec_steps, compile=compile)
     except ValueError as e:
         raise UsageError(f"--spec-steps {args.spec_steps}: {e}" if args.spec_steps else str(e)) from None
-    eos = _eos_ids(path, tokenizer)
+    eos = eos_ids(path, tokenizer)
     # thinking mode prints special tokens (</think>); the end-of-sentence token is never printed
     detok = Detokenizer(tokenizer, skip_special_tokens=not args.thinking)
     stops = StopStrings(args.stop) if args.stop else None
@@ -195,12 +195,12 @@ def run(args) -> int:
     """Run ``generate`` for parsed ``args``; 0 on success, 2 with one line on stderr for bad input."""
     try:
         _check_args(args)
-        path = _checkpoint(args)
+        path = checkpoint_dir(args)
         tokenizer = load_tokenizer(path)
         ids = prompt_ids(args, tokenizer)
         if not ids:
             raise UsageError("--prompt is empty (0 tokens); give the model something to continue")
-        limit = _model_limit(path, tokenizer)
+        limit = model_limit(path, tokenizer)
         if len(ids) > limit:
             raise UsageError(f"--prompt has {len(ids)} tokens, more than the model's limit of {limit}")
         if len(ids) + args.max_new_tokens - 1 > limit:
