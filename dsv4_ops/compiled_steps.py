@@ -9,12 +9,21 @@ import torch
 
 from .cudagraph_replays import replays
 
-__all__ = ["CompiledSteps", "compile_step", "compile_options", "RECOMPILE_LIMIT"]
+__all__ = ["CompiledSteps", "compile_step", "compile_options", "batch_buckets", "RECOMPILE_LIMIT"]
 
 # every (step kind, bucket) is its own graph of the same code, and dynamo falls back to eager past
 # `recompile_limit` graphs per code object (default 8): the calls raise it while they run and leave the
 # process's setting alone
 RECOMPILE_LIMIT = 64
+
+
+def batch_buckets(n: int) -> list[int]:
+    """The batch sizes steps are compiled for: 1, 2, 4, ... below ``n``, then ``n``."""
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
 
 
 def compile_options(cuda_graphs: bool, pdl: bool = False) -> dict:

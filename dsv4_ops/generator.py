@@ -18,20 +18,12 @@ import torch
 from torch import Tensor
 
 from . import cudagraph_replays, sampling
-from .compiled_steps import CompiledSteps, compile_step
+from .compiled_steps import CompiledSteps, batch_buckets, compile_step
 from .generation_loop import GenerationLoop, PreparedBatch, check_int, pad_rows
 from .sampling import SamplingParams
 from .speculative import SpecDecoding
 
 __all__ = ["Generator"]
-
-
-def _buckets(max_batch_size: int) -> list[int]:
-    out, b = [], 1
-    while b < max_batch_size:
-        out.append(b)
-        b *= 2
-    return out + [max_batch_size]
 
 
 class Generator(GenerationLoop):
@@ -98,7 +90,7 @@ class Generator(GenerationLoop):
             cudagraph_replays.install()
         self.compiled = compile
         self.pdl = pdl  # Inductor uses it on sm_90+ NVIDIA GPUs; elsewhere the option is a no-op
-        self.buckets = _buckets(max_batch_size)
+        self.buckets = batch_buckets(max_batch_size)
         # device-side state: a row's only mutable scalar is its length; one static view per bucket
         self.lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._lengths = {b: self.lengths[:b] for b in self.buckets}

@@ -33,7 +33,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .. import cudagraph_replays
-from ..compiled_steps import CompiledSteps, compile_step
+from ..compiled_steps import CompiledSteps, batch_buckets, compile_step
 from ..generate_args import parse_generate_args
 from ..generation_loop import check_prompts
 from ..model.kv_cache_dtype import check_kv_cache_dtype
@@ -87,14 +87,6 @@ class _Request:
     @property
     def pages(self) -> list[int]:
         return [e.page for e in self.shared] + self.own
-
-
-def _buckets(n: int) -> list[int]:
-    out, b = [], 1
-    while b < n:
-        out.append(b)
-        b *= 2
-    return out + [n]
 
 
 class Engine:
@@ -191,7 +183,7 @@ class Engine:
             raise ValueError("cuda_graphs=True needs compile=True (graphs are captured by Inductor)")
         if self.cuda_graphs:
             cudagraph_replays.install()
-        self.decode_buckets, self.prefill_buckets = _buckets(max_running), _buckets(self.prefill_rows)
+        self.decode_buckets, self.prefill_buckets = batch_buckets(max_running), batch_buckets(self.prefill_rows)
         self._fns: dict[tuple[str, bool], object] = {}
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []
