@@ -221,3 +221,26 @@ def test_a_flood_past_the_queue_gets_503_and_nothing_crashes():
         assert r.usage.completion_tokens >= 1
     finally:
         s.stop()
+
+
+def test_bench_serve_measures_a_random_and_a_shared_prefix_load(server, tmp_path):
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a package at the repo root
+    from benchmarks import bench_serve
+
+    common = ["--url", server.url, "--model", server.name, "--api-key", KEY, "--num-requests", "8", "--vocab", "200",
+              "--input-len", "4", "20", "--output-len", "2", "6", "--concurrency", "1", "4"]
+    for workload in ("random", "shared-prefix"):
+        out = tmp_path / f"{workload}.json"
+        assert bench_serve.main(common + ["--workload", workload, "--prefix-len", "70", "--out", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert [r["concurrency"] for r in rows] == [1, 4]
+        for r in rows:
+            assert r["failed"] == 0 and r["output_throughput"] > 0
+            assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms"))
+            assert r["ttft_p99_ms"] >= r["ttft_p50_ms"]
+        if workload == "shared-prefix":  # 70 shared tokens: two full 32-position pages from the cache
+            assert rows[-1]["mean_cached_tokens"] >= 64 * 7 / 8
