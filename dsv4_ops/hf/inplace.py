@@ -191,8 +191,8 @@ class HFModelOnOps(DeepseekV4Model):
 def _base_model(model: nn.Module) -> nn.Module:
     try:
         from transformers import DeepseekV4ForCausalLM, DeepseekV4Model
-    except ImportError as e:  # pragma: no cover - transformers < 5.23
-        raise TypeError("dsv4_ops.hf.enable needs transformers >= 5.23 (DeepseekV4ForCausalLM)") from e
+    except ImportError as e:  # pragma: no cover - transformers without DeepSeek-V4
+        raise TypeError("dsv4_ops.hf.enable needs transformers >= 5.24 (DeepseekV4ForCausalLM; requirements.txt)") from e
     if isinstance(model, DeepseekV4ForCausalLM):
         return model.model
     if isinstance(model, DeepseekV4Model):
