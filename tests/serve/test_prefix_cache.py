@@ -133,3 +133,21 @@ def test_locked_entries_are_never_evicted_and_leaves_go_first():
         cache.take_page()  # every cached page is in use by the match
     cache.release(chain)
     assert cache.take_page() == pages[2]  # the deepest (leaf) first
+
+
+def test_the_fp8_cache_serves_prefix_hits_with_the_tokens_generator_gives_alone():
+    import torch
+
+    from dsv4_ops import DSV4Config, DeepseekV4ForCausalLM, Generator
+
+    torch.manual_seed(5)
+    model = DeepseekV4ForCausalLM(DSV4Config.tiny(head_dim=144, num_hidden_layers=3, hca_ratio=8)).eval()
+    rng = random.Random(14)
+    system = [rng.randrange(256) for _ in range(70)]
+    prompts = [system + q for q in random_prompts(rng, 3, (1, 20))]
+    eng = engine(model, kv_cache_dtype="fp8")
+    hot = _one_by_one(eng, prompts, max_new_tokens=6)
+    gen = Generator(model, max_batch_size=1, max_seq_len=256, compile=False, prefill_chunk=16, kv_cache_dtype="fp8")
+    assert [t for t, _ in hot] == [gen.generate([p], max_new_tokens=6)[0] for p in prompts]
+    assert [c for _, c in hot] == [0, 64, 64]
+    _drained(eng)
