@@ -73,16 +73,30 @@ class _Request:
     cached_tokens: int = 0
     snapshots: dict[int, int] = field(default_factory=dict)  # page count -> snapshot id
     decode_snapshot: int | None = None  # depth of the rolling decode-time snapshot
+    aborted: bool = False  # reported by the next step, then forgotten
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.generated
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building ``tokens`` (a decode step must not copy the history)."""
+        P = len(self.prompt)
+        return self.prompt[start:end] + self.generated[max(0, start - P):max(0, end - P)]
+
+    @property
     def prefill_target(self) -> int:
         """Positions to compute before decoding: the prompt, or (resumed after preemption) every
         token but the last, which is the next decode input."""
-        return len(self.prompt) if not self.generated else len(self.prompt) + len(self.generated) - 1
+        return len(self.prompt) if not self.generated else self.num_tokens - 1
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.shared) + len(self.own)
 
     @property
     def pages(self) -> list[int]:
@@ -221,7 +235,7 @@ class Engine:
         """Stop a waiting or running request; its pages are freed. ``step`` reports it once, with
         ``finish_reason="abort"``."""
         req = self._requests.get(request_id) if isinstance(request_id, int) else None
-        if req is None or getattr(req, "aborted", False):
+        if req is None or req.aborted:
             raise ValueError(f"abort: request_id={request_id!r} is not a waiting or running request")
         if req in self._waiting:
             self._waiting.remove(req)
@@ -238,31 +252,30 @@ class Engine:
         """One scheduler iteration (admit, prefill, decode, stop checks) -> what each request got."""
         t0 = time.perf_counter()
         outputs = [RequestOutput(r.rid, [], True, "abort", r.cached_tokens)
-                   for r in list(self._requests.values()) if getattr(r, "aborted", False)]
+                   for r in list(self._requests.values()) if r.aborted]
         for o in outputs:
             del self._requests[o.request_id]
         self._admit()
         prefill = self._plan_prefill()
-        decode = [r for r in self._slots if r is not None and r.generated and r.computed == len(r.tokens) - 1]
+        decode = [r for r in self._slots if r is not None and r.generated and r.computed == r.num_tokens - 1]
         decode = self._reserve(decode, lambda r: r.computed + 1)
         prefill = [(r, n) for r, n in prefill if r.slot is not None]
-        results = []
+        results = []  # (kind, items, each step's tokens [bucket], the row of each item's token)
         if prefill:
-            results.append(("prefill", prefill, self._run_prefill(prefill)))
+            results.append(("prefill", prefill, self._run_prefill(prefill), range(len(prefill))))
         decode = [r for r in decode if r.slot is not None]
         if decode:
-            results.append(("decode", decode, self._run_decode(decode)))
+            results.append(("decode", decode, self._run_decode(decode), [r.slot for r in decode]))
         if results:
-            picked = torch.cat([tok for _, _, tok in results]).tolist()  # the iteration's one sync
-            i = 0
-            for kind, batch, _ in results:
-                for item in batch:
+            picked = torch.cat([tokens for _, _, tokens, _ in results]).tolist()  # the iteration's one sync
+            offset = 0
+            for kind, items, tokens, rows in results:
+                for item, row in zip(items, rows):
                     req = item[0] if kind == "prefill" else item
-                    tok = picked[i]
-                    i += 1
-                    out = self._advance(req, kind, item, tok)
+                    out = self._advance(req, kind, item, picked[offset + row])
                     if out is not None:
                         outputs.append(out)
+                offset += tokens.shape[0]
             self._stats["steps"] += 1
         self._stats["busy_time_s"] += time.perf_counter() - t0
         return outputs
@@ -317,9 +330,9 @@ class Engine:
 
     def _ensure_pages(self, req: _Request, end: int) -> None:
         """Pages for positions ``< end`` (raises OutOfPages)."""
-        while len(req.pages) * self.page_size < end:
+        while req.num_pages * self.page_size < end:
             page = self.cache.take_page()
-            self._block_table[req.slot, len(req.pages)] = page
+            self._block_table[req.slot, req.num_pages] = page
             req.own.append(page)
             self._table_dirty = True
 
@@ -372,12 +385,13 @@ class Engine:
             self.pool.block_table.copy_(self._block_table, non_blocking=True)
             self._table_dirty = False
 
-    def _params(self, reqs: list[_Request], bucket: int) -> tuple[SamplingParams, bool]:
-        pad = bucket - len(reqs)
-        cols = (([r.temperature for r in reqs] + [0.0] * pad, torch.float32),
-                ([r.top_k for r in reqs] + [0] * pad, torch.int64),
-                ([r.top_p for r in reqs] + [1.0] * pad, torch.float32),
-                ([r.seed for r in reqs] + [0] * pad, torch.int64))
+    def _params(self, rows: list[_Request | None]) -> tuple[SamplingParams, bool]:
+        """The sampling settings of each row (``None``: a greedy padding row) and ``filtered``."""
+        reqs = [r for r in rows if r is not None]
+        cols = (([r.temperature if r else 0.0 for r in rows], torch.float32),
+                ([r.top_k if r else 0 for r in rows], torch.int64),
+                ([r.top_p if r else 1.0 for r in rows], torch.float32),
+                ([r.seed if r else 0 for r in rows], torch.int64))
         params = SamplingParams(*(torch.tensor(v, dtype=d).to(self.device) for v, d in cols))
         filtered = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
         return params, filtered
@@ -389,14 +403,14 @@ class Engine:
         rows = torch.full((bucket,), self.max_running, dtype=torch.long)  # padding: the dummy slot
         n_new = torch.zeros(bucket, dtype=torch.int32)
         for i, (r, n) in enumerate(batch):
-            ids[i, :n] = torch.tensor(r.tokens[r.computed: r.computed + n])
+            ids[i, :n] = torch.tensor(r.token_range(r.computed, r.computed + n))
             rows[i], n_new[i] = r.slot, n
-        params, filtered = self._params([r for r, _ in batch], bucket)
+        params, filtered = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
         tokens, _ = self._run("prefill", bucket, filtered, ids.to(self.device), rows.to(self.device),
                               n_new.to(self.device), params)
         self._stats["prefill_steps"] += 1
-        return tokens[: len(batch)]
+        return tokens
 
     def _run_decode(self, batch: list[_Request]) -> torch.Tensor:
         top = max(r.slot for r in batch) + 1
@@ -405,19 +419,13 @@ class Engine:
         n_new = torch.zeros(bucket, dtype=torch.int32)
         by_slot: list[_Request | None] = [None] * bucket
         for r in batch:
-            ids[r.slot, 0], n_new[r.slot], by_slot[r.slot] = r.tokens[-1], 1, r
-        reqs = [r for r in by_slot if r is not None]
-        params, filtered = self._params_by_slot(by_slot)
+            last = r.generated[-1] if r.generated else r.prompt[-1]
+            ids[r.slot, 0], n_new[r.slot], by_slot[r.slot] = last, 1, r
+        params, filtered = self._params(by_slot)
         self._sync_table()
         tokens, _ = self._run("decode", bucket, filtered, ids.to(self.device), None, n_new.to(self.device), params)
         self._stats["decode_steps"] += 1
-        batch.sort(key=lambda r: r.slot)  # the order of the tokens read back
-        index = torch.tensor([r.slot for r in reqs], device=self.device)
-        return tokens[index]
-
-    def _params_by_slot(self, by_slot: list[_Request | None]) -> tuple[SamplingParams, bool]:
-        filler = _Request(-1, -1, [], 1, 0.0, 0, 1.0, 0, frozenset())
-        return self._params([r or filler for r in by_slot], len(by_slot))
+        return tokens  # row = slot
 
     def _fn(self, kind: str, filtered: bool):
         key = (kind, filtered)

@@ -33,7 +33,7 @@ from ..model.attention import AttentionState
 from ..model.plan import RingSizes, ring_sizes
 from ..reference import fp8_cache as fp8
 
-__all__ = ["LayerPages", "PagedKVPool", "RING_FIELDS"]
+__all__ = ["LayerPages", "PagedKVPool", "RING_FIELDS", "layer_pages"]
 
 RING_FIELDS = ("window", "kv_ring", "gate_ring", "idx_kv_ring", "idx_gate_ring")
 
@@ -67,15 +67,16 @@ class LayerPages:
         if rows is not None:
             for k, t in self.rings.items():
                 t.index_copy_(0, rows, getattr(state, k))
+        if self.pool is None:
+            return
+        B = emit.shape[0]
+        logical = torch.where(emit >= 0, emit // self.epp, 0).long()  # [B, E]: the page of each emitted entry
+        physical = torch.where(emit >= 0, block_table.long().gather(1, logical), 0).flatten()
+        batch = torch.arange(B, device=emit.device)[:, None]
         for pages, view in ((self.pool, state.pool), (self.idx_pool, state.idx_pool)):
-            if pages is None:
-                continue
-            B = emit.shape[0]
-            logical = torch.where(emit >= 0, emit // self.epp, 0).long()  # [B, E]
-            physical = torch.where(emit >= 0, block_table.long().gather(1, logical), 0)
-            paged = view.view(B, -1, *pages.shape[1:])  # [B, P, epp, width]
-            src = paged[torch.arange(B, device=emit.device)[:, None], logical]  # [B, E, epp, width]
-            pages.index_copy_(0, physical.flatten(), src.flatten(0, 1))
+            if pages is not None:
+                src = view.view(B, -1, *pages.shape[1:])[batch, logical]  # [B, E, epp, width]
+                pages.index_copy_(0, physical, src.flatten(0, 1))
 
 
 class PagedKVPool:
@@ -98,34 +99,12 @@ class PagedKVPool:
         device = model.device
         dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else dtype or model.dtype
         self.dtype = dtype
-        self.layers = [self._layer(layer.self_attn, dtype, device) for layer in model.model.layers]
+        self.layers = [layer_pages(layer.self_attn, slots, num_pages, page_size, self.fp8, dtype, device)
+                       for layer in model.model.layers]
         self.slot_len = torch.zeros(slots, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(slots, self.pages_per_request, dtype=torch.int32, device=device)
         for t in self.buffers():
             torch._dynamo.mark_static_address(t)
-
-    def _layer(self, attn, dtype: torch.dtype, device) -> LayerPages:
-        st = attn.new_state(self.slots, 1, self.rings, dtype, device, self.fp8)
-        rings = {k: getattr(st, k) for k in RING_FIELDS if getattr(st, k) is not None}
-        if attn.layer_type == SLIDING:
-            return LayerPages(rings, None, None, 0, self.fp8)
-        ratio = attn.ratio
-        epp = self.page_size // ratio
-        D, rope = attn.head_dim, self.config.rope_head_dim
-        pool = self._pages(epp, D, fp8.KVLayout(D, rope, epp) if self.fp8 else None, dtype, device)
-        idx_pool = None
-        if attn.layer_type == CSA:
-            DI = self.config.index_head_dim
-            idx_pool = self._pages(epp, DI, fp8.IndexerLayout(DI, epp) if self.fp8 else None, dtype, device)
-        else:
-            assert attn.layer_type == HCA
-        return LayerPages(rings, pool, idx_pool, epp, self.fp8)
-
-    def _pages(self, epp: int, width: int, layout, dtype, device) -> Tensor:
-        if layout is None:
-            return torch.zeros(self.num_pages, epp, width, dtype=dtype, device=device)
-        _, _, page, entry_bytes = layout.shape(self.num_pages, epp)
-        return torch.zeros(self.num_pages, page, entry_bytes, dtype=torch.uint8, device=device)
 
     def buffers(self) -> list[Tensor]:
         out = [self.slot_len, self.block_table]
@@ -146,12 +125,32 @@ class PagedKVPool:
     @staticmethod
     def page_bytes(model, page_size: int, kv_cache_dtype: str = "auto") -> int:
         """Bytes one page takes over every layer (to size ``num_pages`` from a memory budget)."""
-        probe = PagedKVPool.__new__(PagedKVPool)
-        probe.config, probe.slots, probe.page_size, probe.num_pages = model.config, 1, page_size, 1
-        probe.fp8, probe.rings = kv_cache_dtype == "fp8", ring_sizes(model.config)
         dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else model.dtype
-        total = 0
-        for layer in model.model.layers:
-            lp = probe._layer(layer.self_attn, dtype, "meta")
-            total += sum(t.numel() * t.element_size() for t in (lp.pool, lp.idx_pool) if t is not None)
-        return total
+        layers = [layer_pages(layer.self_attn, 1, 1, page_size, kv_cache_dtype == "fp8", dtype, "meta")
+                  for layer in model.model.layers]
+        return sum(t.numel() * t.element_size() for lp in layers for t in (lp.pool, lp.idx_pool) if t is not None)
+
+
+def layer_pages(attn, slots: int, num_pages: int, page_size: int, fp8_cache: bool, dtype: torch.dtype,
+                device) -> LayerPages:
+    """One attention layer's rings for ``slots`` slots and, for compressed layers, ``num_pages`` pages."""
+    cfg = attn.cfg
+    st = attn.new_state(slots, 1, ring_sizes(cfg), dtype, device, fp8_cache)
+    rings = {k: getattr(st, k) for k in RING_FIELDS if getattr(st, k) is not None}
+    if attn.layer_type == SLIDING:
+        return LayerPages(rings, None, None, 0, fp8_cache)
+    assert attn.layer_type in (CSA, HCA)
+    epp = page_size // attn.ratio
+    D, DI = attn.head_dim, cfg.index_head_dim
+    pool = _pages(num_pages, epp, D, fp8.KVLayout(D, cfg.rope_head_dim, epp) if fp8_cache else None, dtype, device)
+    idx_pool = None
+    if attn.layer_type == CSA:
+        idx_pool = _pages(num_pages, epp, DI, fp8.IndexerLayout(DI, epp) if fp8_cache else None, dtype, device)
+    return LayerPages(rings, pool, idx_pool, epp, fp8_cache)
+
+
+def _pages(num_pages: int, epp: int, width: int, layout, dtype, device) -> Tensor:
+    if layout is None:
+        return torch.zeros(num_pages, epp, width, dtype=dtype, device=device)
+    _, _, page, entry_bytes = layout.shape(num_pages, epp)
+    return torch.zeros(num_pages, page, entry_bytes, dtype=torch.uint8, device=device)
