@@ -27,6 +27,11 @@ window and B embedding rows -- the k draft forwards depend on each other.
     python3 benchmarks/bench_spec.py --out out/bench_spec.json     # GPU box (tools/gpu_check.sh spec), ~5 min cold
     python3 benchmarks/bench_spec.py --config flash-slice --distill-steps 200 --ks 1 2 3 4 --out out/spec.json
     python3 benchmarks/bench_spec.py --smoke --out /tmp/spec.json   # tiny config, eager, CPU
+    python3 benchmarks/bench_spec.py --model build/trained-gpu --context 1024 --ks 1 2 3 4 --out spec.json
+
+``--model DIR`` times a trained checkpoint (``python -m dsv4_ops.train_tiny``) in bf16 instead, on
+prompts cut from its held-out text (``train_tiny.corpus_files``): the acceptance is then that of a
+trained MTP block on real continuations.
 """
 from __future__ import annotations
 
@@ -103,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="first distil the MTP block for this many steps (dsv4_ops.distill.distill_mtp); 0 = random")
     ap.add_argument("--distill-params", default="attn+proj", help="which MTP parameters distillation trains")
     ap.add_argument("--distill-seq-len", type=int, default=96, help="tokens per distillation sequence")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a trained checkpoint (python -m dsv4_ops.train_tiny) on held-out prompts, instead of --config")
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager: a seconds-long check")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
     args = ap.parse_args(argv)
@@ -115,10 +122,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def trained_setup(args):
+    """``(device, cfg, model, prompts_for)`` of ``--model DIR``: the checkpoint in bf16 on CUDA (fp32
+    on CPU with ``--smoke``), prompts cut from consecutive stretches of its held-out text."""
+    import dsv4_ops
+    from dsv4_ops import pretrained, train_tiny
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = dsv4_ops.load_pretrained(args.model, dtype=dtype, device=device)
+    stream = train_tiny.encode_texts(pretrained.tokenizer(args.model),
+                                     train_tiny.read_texts(train_tiny.corpus_files()[1]))
+
+    def prompts_for(batch: int, ctx: int) -> list[list[int]]:
+        if len(stream) < batch * ctx:
+            raise SystemExit(f"--model: the held-out text has {len(stream)} tokens, fewer than batch x context = "
+                             f"{batch} x {ctx}")
+        return stream[: batch * ctx].view(batch, ctx).tolist()
+
+    return device, model.config, model, prompts_for
+
+
 def main(argv=None, log=None) -> dict:
     args = parse_args(argv)
     log = log or (lambda msg: print(msg, flush=True))
-    device, cfg, model = bench_setup(args, "bench_spec", bench_config)
+    if args.model:
+        device, cfg, model, prompts_for = trained_setup(args)
+    else:
+        device, cfg, model = bench_setup(args, "bench_spec", bench_config)
+
+        def prompts_for(batch: int, ctx: int) -> list[list[int]]:
+            return torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(batch)).tolist()
     mode = MODES["eager" if args.smoke else "graphs"]
     distill = None
     if args.distill_steps:
@@ -138,14 +172,14 @@ def main(argv=None, log=None) -> dict:
     res = dict(meta=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                          torch=torch.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
                          argv=sys.argv[1:] if argv is None else argv,
-                         config="tiny" if args.smoke else args.config, distill=distill,
+                         config=args.model or ("tiny" if args.smoke else args.config), distill=distill,
                          layers=cfg.num_hidden_layers, generator=mode, new_tokens=[n_short, n_long],
                          hbm_bytes_per_s=HBM_BYTES_PER_S),
                contexts=args.context, layers=cfg.num_hidden_layers, rows=[], plain=[])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for ctx, B in itertools.product(args.context, args.batches):
-        prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B)).tolist()
+        prompts = prompts_for(B, ctx)
         chunk = 512 if B == 1 and not args.smoke else 16 if args.smoke else 64
 
         def generator(k: int) -> Generator:

@@ -4,9 +4,10 @@ against the float cache (perplexity, teacher-forced argmax agreement, and how mu
 continuation changes), and routing locality (how many routed experts consecutive tokens share,
 trained vs the same model at its initialisation).
 
-    python benchmarks/trained_tiny_quality.py [--model DIR] [--threads 1]
+    python benchmarks/trained_tiny_quality.py [--model DIR] [--threads 1] [--device cuda]
 
-CPU is fine (a few minutes on one core); numbers are quality, not speed.
+CPU is fine for the bundled model (a few minutes on one core); the GPU-trained one wants
+``--device cuda``. Numbers are quality, not speed; the model runs in fp32 throughout.
 """
 from __future__ import annotations
 
@@ -66,6 +67,18 @@ def fp8(model, windows: torch.Tensor, prompts, new: int) -> None:
                   f"of tokens differ, the first at token {diff[0] if diff else None}")
 
 
+def hf_parity(path: str, model, stream: torch.Tensor, tokens: int) -> None:
+    """HF transformers' ``DeepseekV4ForCausalLM`` from the same directory, fp32, on one held-out stretch."""
+    from transformers import DeepseekV4ForCausalLM
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).to(model.device).eval()
+    ids = stream[:tokens][None].to(model.device)
+    with torch.no_grad():
+        diff = (hf(ids).logits.float() - model(ids)).abs().max().item()
+    print(f"HF transformers from the same checkpoint, fp32, {tokens} held-out tokens: max |logit difference| {diff:.2e}")
+    del hf
+
+
 def routing(model, windows: torch.Tensor) -> dict[int, tuple[float, float]]:
     """Per learned-routed layer: (mean fraction of the K routed experts token t+1 shares with
     token t, the busiest expert's share of the picks times E: 1 = perfectly balanced)."""
@@ -91,16 +104,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = args.model or pretrained.tiny()
-    model, tok = dsv4_ops.load_pretrained(path), pretrained.tokenizer(path)
+    model, tok = dsv4_ops.load_pretrained(path, device=args.device), pretrained.tokenizer(path)
     stream = heldout_stream(tok)
-    windows = stream[: 32 * 256].view(32, 256)
+    windows = stream[: 32 * 256].view(32, 256).to(model.device)
+    hf_parity(path, model, stream, 3 * model.config.sliding_window + 13)
     acceptance(model, prompts_from(stream, 4, 32), 64)
     fp8(model, windows, prompts_from(stream, 4, 32), 256)
     trained = routing(model, windows)
-    untrained = dsv4_ops.DeepseekV4ForCausalLM(model.config).eval()
+    untrained = dsv4_ops.DeepseekV4ForCausalLM(model.config).to(model.device).eval()
     train_tiny.init_weights_(untrained, pretrained.training_info(path)["seed"])
     initial = routing(untrained, windows)
     K, E = model.config.num_experts_per_tok, model.config.n_routed_experts

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check on the GPU box (the device tool runs it in the checkout):  bash tools/gpu_check.sh MODE [MODE ...]
 #
-#   tests   the `gpu` tests (pytest -m gpu, xdist), the Triton kernels' tests on this GPU, then the demo
-#                                                                                     -> gpu_tests.log, demo.log
-#   files   the test files in $TESTS, gpu and cpu tests alike, on the GPU               -> files_tests.log
+#   tests   the `gpu` tests (pytest -m gpu, xdist), the Triton kernels' tests on this GPU, then the demo; with $TESTS
+#           (test files) those files only, gpu and cpu tests alike                       -> gpu_tests.log, demo.log
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
-#           grid (benchmarks/bench_model.py, bench_spec.py), and the serving Engine vs the static Generator (bf16 and
-#           fp8 caches, bench_engine.py)                                        -> bench_flash.*, bench_model.*, bench_engine_*
+#           grid (benchmarks/bench_model.py, bench_spec.py)                      -> bench_flash.*, bench_model.*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
-#   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) -> bench_spec.*
+#   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on the bench
+#           config, then on a trained model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4.5 min)
+#           into build/trained-gpu, with its quality numbers (benchmarks/trained_tiny_quality.py)
+#                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained.json
+#   serve   the serving Engine vs the static Generator on the Flash slice, bf16 and fp8 caches (bench_engine.py)
+#                                                                                     -> bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
 #           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
 #   ab      $BASE (another checkout's root, e.g. an older commit's tree): the Flash slice's batch-1 step inside
@@ -63,6 +66,11 @@ for what in "$@"; do
   echo "=== $what ($(date +%T))"
   case $what in
     tests)
+      if [ -n "${TESTS:-}" ]; then
+        python3 -m pytest -q -m "gpu or not gpu" $TESTS -p no:cacheprovider 2>&1 \
+          | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e Error -e FAIL | tail -20 || rc=1
+        continue
+      fi
       # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
       # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker. Then the
       # Triton kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
@@ -73,17 +81,12 @@ for what in "$@"; do
         python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} -m "not gpu" $kernel_tests -p no:cacheprovider || rc=1; } 2>&1 \
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
       python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;
-    files) python3 -m pytest -q -m "gpu or not gpu" ${TESTS:?set TESTS to the test files} -p no:cacheprovider 2>&1 \
-             | tee "$OUT/files_tests.log" | grep -e passed -e failed -e Error -e FAIL | tail -20 || rc=1 ;;
     model)
       { python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --modes graphs \
           --hf-points 1x4096 --hf-budget-s 300 --prefill-chunk 2048 --out "$OUT/bench_flash.json" || rc=1
         flash_b1 "$PWD" bench_flash_step || rc=1
-        python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1
-        for cache in bf16 fp8; do  # the serving engine vs the static Generator
-          python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
-            --out "$OUT/bench_engine_$cache.json" || rc=1
-        done; } 2>&1 | quiet | tee "$OUT/bench_model.log" ;;
+        python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1; } 2>&1 | quiet \
+        | tee "$OUT/bench_model.log" ;;
     hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
       pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
@@ -93,7 +96,20 @@ for what in "$@"; do
         prompt=$(python3 -c "print(','.join(str(i % 1000) for i in range(4096)))") &&
         for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" \
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
-    spec) python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" 2>&1 | quiet | tee "$OUT/bench_spec.log" || rc=1 ;;
+    spec) trained=${TRAINED:-build/trained-gpu}
+          { python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" || rc=1
+            if [ ! -f "$trained/model.safetensors" ]; then
+              python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4.5 --out "$trained" \
+                > "$OUT/train_gpu.log" 2>&1 || { rc=1; tail -5 "$OUT/train_gpu.log"; }
+            fi
+            python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
+              || rc=1
+            python3 benchmarks/bench_spec.py --model "$trained" --context 1024 --ks 1 2 3 4 \
+              --out "$OUT/bench_spec_trained.json" || rc=1; } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
+    serve) for cache in bf16 fp8; do  # the serving engine vs the static Generator
+             python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
+               --out "$OUT/bench_engine_$cache.json" 2>&1 | quiet || rc=1
+           done | tee "$OUT/bench_engine.log" ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
              (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { rc=1; tail -5 "$OUT/flashmla_build.log"; }
@@ -129,7 +145,7 @@ for what in "$@"; do
         { NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m dsv4_ops.parallel.demo &&
           NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_tp.py \
             --out "$OUT/bench_tp.json"; } 2>&1 | quiet | tee "$OUT/bench_tp.log" || rc=1 ;;
-    *) echo "unknown mode $what (tests|files|model|hf|aoti|spec|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
+    *) echo "unknown mode $what (tests|model|hf|aoti|spec|serve|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
 exit $rc
