@@ -84,6 +84,10 @@ async def run_load(args, reqs, concurrency: int) -> dict:
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
+    if len(ok) < len(results):
+        bad = next(r for r in results if "error" in r)
+        print(f"concurrency {concurrency}: {len(results) - len(ok)} requests failed, the first with HTTP {bad['error']}: "
+              f"{bad['body']}")
     row = {"concurrency": concurrency, "rate": args.rate, "requests": len(reqs), "failed": len(results) - len(ok),
            "duration_s": wall, "request_throughput": len(ok) / wall,
            "output_throughput": sum(r["output_tokens"] for r in ok) / wall,

@@ -12,8 +12,11 @@
 #           config, then on a trained model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4.5 min)
 #           into build/trained-gpu, with its quality numbers (benchmarks/trained_tiny_quality.py)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained.json
-#   serve   the serving Engine vs the static Generator on the Flash slice, bf16 and fp8 caches (bench_engine.py)
-#                                                                                     -> bench_engine_*
+#   serve   the OpenAI-compatible server on the Flash slice (benchmarks/serve_random.py, random weights) under
+#           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
+#           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
+#           serving Engine vs the static Generator (bench_engine.py) with the caches in $CACHES (default "bf16 fp8")
+#                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
 #           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
 #   ab      $BASE (another checkout's root, e.g. an older commit's tree): the Flash slice's batch-1 step inside
@@ -106,7 +109,26 @@ for what in "$@"; do
               || rc=1
             python3 benchmarks/bench_spec.py --model "$trained" --context 1024 --ks 1 2 3 4 \
               --out "$OUT/bench_spec_trained.json" || rc=1; } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
-    serve) for cache in bf16 fp8; do  # the serving engine vs the static Generator
+    serve) # serve_on PORT NAME [server flags]: start a server, wait for /health (compiles first), run the loads, stop it
+          serve_on() {
+            local port=$1 name=$2; shift 2
+            python3 benchmarks/serve_random.py --config flash-slice --port "$port" --step-out "$OUT/serve_step_$name.json" \
+              "$@" > "$OUT/serve_$name.log" 2>&1 &
+            local pid=$!
+            for _ in $(seq 600); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" 2>/dev/null && break
+              kill -0 $pid 2>/dev/null || break; sleep 1; done
+            grep -e "decode step" -e rror "$OUT/serve_$name.log"
+            if [ "$name" = prefix_on ]; then
+              python3 benchmarks/bench_serve.py --url "http://127.0.0.1:$port" --model flash-slice --concurrency 1 8 64 \
+                --num-requests 64 --out "$OUT/bench_serve_random.json" || rc=1
+            fi
+            python3 benchmarks/bench_serve.py --url "http://127.0.0.1:$port" --model flash-slice --workload shared-prefix \
+              --prefix-len 4096 --input-len 16 128 --output-len 32 128 --num-requests 32 --concurrency 8 \
+              --out "$OUT/bench_serve_prefix_$name.json" || rc=1
+            kill $pid; wait $pid 2>/dev/null
+          }
+          { serve_on 8000 prefix_on; serve_on 8001 prefix_off --no-prefix-cache; } 2>&1 | quiet | tee "$OUT/bench_serve.log"
+          for cache in ${CACHES-bf16 fp8}; do  # the serving engine vs the static Generator ($CACHES: which caches)
              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache \
                --out "$OUT/bench_engine_$cache.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;

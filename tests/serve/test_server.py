@@ -27,6 +27,9 @@ class Server:
         for k, v in overrides.items():
             setattr(args, k, v)
         self.app, self.worker, self.name = cli.build(args)
+        self.start()
+
+    def start(self):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -223,12 +226,20 @@ def test_a_flood_past_the_queue_gets_503_and_nothing_crashes():
         s.stop()
 
 
-def test_bench_serve_measures_a_random_and_a_shared_prefix_load(server, tmp_path):
-    import math
+def _benchmarks():
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a package at the repo root
+    import benchmarks
+
+    return benchmarks
+
+
+def test_bench_serve_measures_a_random_and_a_shared_prefix_load(server, tmp_path):
+    import math
+
+    _benchmarks()
     from benchmarks import bench_serve
 
     common = ["--url", server.url, "--model", server.name, "--api-key", KEY, "--num-requests", "8", "--vocab", "200",
@@ -244,3 +255,27 @@ def test_bench_serve_measures_a_random_and_a_shared_prefix_load(server, tmp_path
             assert r["ttft_p99_ms"] >= r["ttft_p50_ms"]
         if workload == "shared-prefix":  # 70 shared tokens: two full 32-position pages from the cache
             assert rows[-1]["mean_cached_tokens"] >= 64 * 7 / 8
+
+
+def test_serve_random_serves_a_random_weight_model_to_bench_serve(tmp_path):
+    """``benchmarks/serve_random.py`` (the GPU serving benchmark's server, random weights and an id tokenizer): its
+    engine's timed batch-1 step is written, and bench_serve's requests all complete with exact output lengths."""
+    _benchmarks()
+    from benchmarks import bench_serve, serve_random
+
+    step = tmp_path / "step.json"
+    s = Server.__new__(Server)
+    s.app, s.worker, s.name = serve_random.build(serve_random.parse_args(
+        ["--smoke", "--device", "cpu", "--max-running", "2", "--step-out", str(step)]))
+    try:
+        s.start()
+        data = json.loads(step.read_text())
+        assert data["engine_step_ms"] > 0 and data["stats"]["recompiles"] == 0 and data["context"] == 32
+        out = tmp_path / "serve.json"
+        assert bench_serve.main(["--url", s.url, "--model", s.name, "--num-requests", "4", "--vocab", "200",
+                                 "--input-len", "4", "20", "--output-len", "3", "3", "--concurrency", "2",
+                                 "--out", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["failed"] == 0 and row["output_throughput"] == pytest.approx(4 * 3 / row["duration_s"])
+    finally:
+        s.stop()
