@@ -48,17 +48,22 @@ async def one(client: httpx.AsyncClient, args, prompt: list[int], max_tokens: in
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, usage = [], None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": r.status_code, "body": (await r.aread()).decode()[:200]}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}", "body": (await r.aread()).decode()[:200]}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # the server's error event ends a stream that had started
+                    return {"error": "an error event", "body": json.dumps(chunk["error"])[:200]}
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+    except httpx.HTTPError as e:  # a connection the server dropped is a failed request, not a failed run
+        return {"error": type(e).__name__, "body": str(e)[:200]}
     end = time.perf_counter()
     out = usage["completion_tokens"] if usage else len(stamps)
     ttft = (stamps[0] if stamps else end) - t0
@@ -86,7 +91,7 @@ async def run_load(args, reqs, concurrency: int) -> dict:
     ok = [r for r in results if "error" not in r]
     if len(ok) < len(results):
         bad = next(r for r in results if "error" in r)
-        print(f"concurrency {concurrency}: {len(results) - len(ok)} requests failed, the first with HTTP {bad['error']}: "
+        print(f"concurrency {concurrency}: {len(results) - len(ok)} requests failed, the first with {bad['error']}: "
               f"{bad['body']}")
     row = {"concurrency": concurrency, "rate": args.rate, "requests": len(reqs), "failed": len(results) - len(ok),
            "duration_s": wall, "request_throughput": len(ok) / wall,

@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace):
-    """``(app, worker, name)``: the model drawn, the engine warmed up and its step timed, the engine
-    started on its thread, the app."""
+    """``(app, worker, name)``: the model drawn, the engine started on its thread (which warms it up
+    and times its step before ``worker.ready``), the app."""
     device, cfg, model = bench_setup(args, "serve_random.py", bench_config)
     if args.smoke:
         args.max_seq_len, args.page_size, args.step_context = min(args.max_seq_len, 256), 64, 32
@@ -70,16 +70,19 @@ def build(args: argparse.Namespace):
     name = "tiny" if args.smoke else args.config
     hi = args.max_seq_len // 8
     warm = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))] for _ in range(args.max_running)]
-    eng.generate(warm, [rng.randint(2, hi // 4) for _ in warm])  # every decode bucket compiles and records
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.step_context)]
     n_short, n_long = (4, 12) if args.smoke else (16, 144)
-    ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
-                        device, n_short, n_long)
-    print(f"engine decode step b1 x {len(prompt)}: {ms:.3f} ms", flush=True)
-    if args.step_out:
-        Path(args.step_out).write_text(json.dumps(dict(config=name, context=len(prompt), engine_step_ms=ms,
-                                                       prefix_cache=not args.no_prefix_cache, stats=eng.stats)))
-    worker = EngineThread(eng).start()
+
+    def warmup(eng: Engine) -> None:  # on the engine's thread, which owns its compiled steps and CUDA graphs
+        eng.generate(warm, [rng.randint(2, hi // 4) for _ in warm])  # every decode bucket compiles and records
+        ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
+                            device, n_short, n_long)
+        print(f"engine decode step b1 x {len(prompt)}: {ms:.3f} ms", flush=True)
+        if args.step_out:
+            Path(args.step_out).write_text(json.dumps(dict(config=name, context=len(prompt), engine_step_ms=ms,
+                                                           prefix_cache=not args.no_prefix_cache, stats=eng.stats)))
+
+    worker = EngineThread(eng).start(warmup)
     return create_app(worker, id_tokenizer(cfg.vocab_size), name, []), worker, name
 
 

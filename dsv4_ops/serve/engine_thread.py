@@ -10,6 +10,7 @@ notebook both need).
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import time
@@ -18,6 +19,20 @@ from concurrent.futures import Future
 from .engine import Engine, RequestOutput
 
 __all__ = ["EngineThread", "Overloaded"]
+
+
+def own_cudagraph_trees() -> None:
+    """Give the calling thread its own CUDA-graph trees state. torch before 2.13 sets that state up
+    only on the thread that imported ``torch._inductor.cudagraph_trees`` and asserts on any other
+    (pytorch#123177), so the engine thread, which compiles, records and replays every step, could
+    not record a graph; newer torch does this itself on first use."""
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:
+        return
+    if not hasattr(trees.local, "tree_manager_containers"):
+        trees.local.tree_manager_containers = {}
+        trees.local.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
 class Overloaded(RuntimeError):
@@ -41,7 +56,8 @@ class EngineThread:
 
     def start(self, warmup=None) -> "EngineThread":
         """Start the loop; ``warmup(engine)`` runs on the thread first (compiles, records graphs),
-        and ``ready`` is set after it."""
+        and ``ready`` is set after it. Warm up here rather than on the caller's thread, so that
+        every compiled step, and every CUDA graph, belongs to the thread that runs them."""
         self._warmup = warmup
         self._thread.start()
         return self
@@ -76,6 +92,7 @@ class EngineThread:
     # ------------------------------------------------------------------ engine side
     def _loop(self) -> None:
         try:
+            own_cudagraph_trees()
             if self._warmup is not None:
                 self._warmup(self.engine)
             self.ready.set()

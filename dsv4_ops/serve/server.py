@@ -33,9 +33,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.headers = status, message, param, type_, headers
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class _Histogram:
@@ -221,10 +223,13 @@ def create_app(worker: EngineThread, tokenizer, model_name: str, eos_ids: list[i
 
         async def events():
             try:
-                async for text in deltas():
-                    yield f"data: {json.dumps(obj([choice(text, state['finish'] is not None, True)]))}\n\n"
-                if include_usage:
-                    yield f"data: {json.dumps(obj([], usage()))}\n\n"
+                try:
+                    async for text in deltas():
+                        yield f"data: {json.dumps(obj([choice(text, state['finish'] is not None, True)]))}\n\n"
+                    if include_usage:
+                        yield f"data: {json.dumps(obj([], usage()))}\n\n"
+                except ApiError as e:  # the status line is sent already: the error is the stream's last event
+                    yield f"data: {json.dumps(e.body())}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # a client that went away: its request stops and frees its pages
                 if state["finish"] is None:

@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+import types
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
@@ -115,8 +116,8 @@ def test_chat_completions_use_the_v4_chat_encoding(server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == r.choices[0].message.content
 
 
-def test_16_concurrent_streams_each_give_what_they_give_alone(server):
-    prompts = [f"def f{i}(x):\n    return x" + " +" * (i % 5) for i in range(16)]
+def _concurrent_streams_give_what_they_give_alone(server, n: int) -> None:
+    prompts = [f"def f{i}(x):\n    return x" + " +" * (i % 5) for i in range(n)]
     alone = [server.client.completions.create(model=server.name, prompt=p, max_tokens=12, temperature=0.8,
                                               seed=i).choices[0].text for i, p in enumerate(prompts)]
 
@@ -130,6 +131,47 @@ def test_16_concurrent_streams_each_give_what_they_give_alone(server):
         return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
 
     assert asyncio.run(all_()) == alone
+
+
+def test_16_concurrent_streams_each_give_what_they_give_alone(server):
+    _concurrent_streams_give_what_they_give_alone(server, 16)
+
+
+def test_the_engine_thread_owns_its_cuda_graph_trees_state(monkeypatch):
+    """torch before 2.13 set up the CUDA-graph trees' per-thread state only on the importing thread and asserted on
+    any other (pytorch#123177): the server's engine thread, which records every graph, sets up its own. Checked
+    with torch 2.11's lookup, which has no lazy set-up of its own."""
+    import torch
+    from torch._inductor import cudagraph_trees as trees
+
+    from dsv4_ops.serve.engine_thread import EngineThread
+
+    def lookup_of_torch_2_11(local, attr_name):
+        if hasattr(local, attr_name):
+            return getattr(local, attr_name)
+        assert torch._C._is_key_in_tls(attr_name)
+        return torch._C._get_obj_in_tls(attr_name)
+
+    monkeypatch.setattr(trees, "get_obj", lookup_of_torch_2_11)
+    seen, idle = {}, types.SimpleNamespace(has_unfinished=lambda: False, max_running=1)
+    worker = EngineThread(idle).start(lambda eng: seen.update(container=trees.get_container(0)))
+    deadline = time.time() + 30
+    while not (worker.ready.is_set() or worker.error is not None) and time.time() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    assert worker.error is None and isinstance(seen["container"], trees.TreeManagerContainer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_graphed_server_gives_concurrent_streams_what_they_give_alone():
+    s = Server(device="cuda", compile=True)
+    try:
+        _concurrent_streams_give_what_they_give_alone(s, 8)
+        stats = s.worker.engine.stats
+        assert s.worker.error is None and stats["cuda_graph_replays"] > 0 and stats["recompiles"] == 0
+    finally:
+        s.stop()
 
 
 def test_stop_strings_cut_the_text_and_finish_with_stop(server):
@@ -222,6 +264,37 @@ def test_a_flood_past_the_queue_gets_503_and_nothing_crashes():
         assert codes.count(200) >= 3 and codes.count(503) >= 1 and set(codes) <= {200, 503}
         r = s.client.completions.create(model=s.name, prompt="def f():", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens >= 1
+    finally:
+        s.stop()
+
+
+def test_an_engine_failure_ends_open_streams_with_an_error_event_and_health_says_so():
+    """The engine thread dying mid-stream (a CUDA error, say): each open stream ends with an OpenAI-style error event
+    and ``[DONE]`` (its status line is sent already), not a dropped connection; /health says why; the server answers
+    new requests with 503 and stays up."""
+    s = Server()
+    try:
+        step, calls = s.worker.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("injected engine failure")
+            return step()
+
+        s.worker.engine.step = failing_step
+        body = {"model": s.name, "prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert "injected engine failure" in error["message"] and error["type"] == "server_error"
+        health = httpx.get(s.url + "/health", timeout=10)
+        assert health.status_code == 503 and "injected engine failure" in health.text
+        again = httpx.post(s.url + "/v1/completions", json=dict(body, stream=False),
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert again.status_code == 503 and again.json()["error"]["type"] == "server_error"
     finally:
         s.stop()
 
