@@ -112,8 +112,7 @@ class SpeculativeStep:
         # 1. verify [last, d_1..d_k] at positions L..L+k
         ids = torch.cat([last[:, None], drafts], dim=1)  # [Bk, k+1]
         n_verify = active * (k + 1)
-        X = model.hidden_streams(ids, L, n_verify, model.plan(L, n_verify, k + 1, rings=st.rings),
-                                 st.states)  # [Bk, k+1, N, D]
+        X = self._main_streams(st, ids, L, n_verify, model.plan(L, n_verify, k + 1, rings=st.rings))  # [Bk, k+1, N, D]
         if params is None:
             g = model.logits(X).argmax(-1)  # [Bk, k+1]
             a = (drafts == g[:, :k]).to(torch.int32).cumprod(dim=1).sum(dim=1).to(torch.int32)  # accepted drafts
@@ -126,6 +125,7 @@ class SpeculativeStep:
         count = active * (a + 1)
         tokens = torch.where(active[:, None] > 0, tokens, -1)
         new_len = L + count
+        self._verified(st, X, L, new_len)
 
         # 2.+3. the next drafts (and, sampling, the distributions they were drawn from)
         if self.draft == "mtp":
@@ -143,6 +143,15 @@ class SpeculativeStep:
             st.draft_probs.copy_(torch.where(act[:, None, None], new_q, st.draft_probs))
         L.copy_(new_len)
         return tokens, count
+
+    def _main_streams(self, st: SpecState, ids: Tensor, lengths: Tensor, n_new: Tensor, meta) -> Tensor:
+        """The main model's final streams of a cached step over ``st``'s pool (the serving engine
+        runs its paged pool instead)."""
+        return self.model.hidden_streams(ids, lengths, n_new, meta, st.states)
+
+    def _verified(self, st: SpecState, X: Tensor, L: Tensor, new_len: Tensor) -> None:
+        """After verify: ``X`` holds the main streams at ``L..L+k`` and rows advance to ``new_len``
+        (a hook for state kept beyond ``SpecState``; nothing here)."""
 
     def _mtp_drafts(self, st: SpecState, new_len, active, a, bonus, X, params=None, filtered=False):
         model, k, blk = self.model, self.k, self.model.mtp[0]

@@ -8,7 +8,10 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
 2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
    (chunks start at multiples of the chunk, which divides the page size, so a prefix hit and a
    cold run cut a prompt at the same places); a request whose prompt ends samples its first token;
-3. a **decode** step for every request that has one, over slots ``0..bucket-1``;
+3. a **decode** step for every request that has one, over slots ``0..bucket-1``; with
+   ``spec_steps=k`` a speculative step instead (``spec.py``): the MTP block's ``k`` drafts are
+   verified in one main-model step and each request advances by its own accepted count, its
+   tokens exactly ``Generator(spec_steps=k)``'s;
 4. one read of the sampled tokens (the iteration's only host sync), then stop checks: a stop id
    (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
    and snapshots to the prefix cache and frees its slot.
@@ -21,7 +24,8 @@ ever hold.
 
 Every step's shapes are ``(kind, bucket)``: decode buckets 1, 2, 4, ... ``max_running``, prefill
 buckets 1, 2, 4, ... the prefill rows; sampling settings are tensor inputs, ``filtered`` (any
-top-k / top-p) the one static choice. Requests coming and going add no graphs.
+top-k / top-p) the one static choice (and, speculative, whether any row samples: kind
+``decode_sample``). Requests coming and going add no graphs.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ..ops.validate import check_int
 from ..sampling import SamplingParams
 from .pool import PagedKVPool
 from .prefix_cache import OutOfPages, PageAllocator, PageEntry, PrefixCache
+from .spec import SpecSlots
 from .step import pool_step
 
 __all__ = ["Engine", "RequestOutput"]
@@ -52,6 +57,8 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None (still running)
     cached_tokens: int  # prompt tokens served from the prefix cache
+    accepted_tokens: int = 0  # spec_steps > 0: the request's drafts accepted so far
+    drafted_tokens: int = 0  # ... and drafted so far (k per speculative step it took part in)
 
 
 @dataclass
@@ -74,6 +81,9 @@ class _Request:
     snapshots: dict[int, int] = field(default_factory=dict)  # page count -> snapshot id
     decode_snapshot: int | None = None  # depth of the rolling decode-time snapshot
     aborted: bool = False  # reported by the next step, then forgotten
+    accepted: int = 0  # speculative decoding: drafts accepted, drafted
+    drafted: int = 0
+    spec_saved: tuple | None = None  # drafts (and distributions) kept over a preemption
 
     @property
     def tokens(self) -> list[int]:
@@ -87,6 +97,11 @@ class _Request:
         """``tokens[start:end]`` without building ``tokens`` (a decode step must not copy the history)."""
         P = len(self.prompt)
         return self.prompt[start:end] + self.generated[max(0, start - P):max(0, end - P)]
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the request computes at most (its last token is never an input)."""
+        return len(self.prompt) + self.max_new - 1
 
     @property
     def prefill_target(self) -> int:
@@ -117,7 +132,10 @@ class Engine:
         prefix_cache: share full pages of identical prefixes between requests.
         num_snapshots: ring snapshots the prefix cache may hold (default ``2 * max_running``).
         snapshot_interval: also snapshot every this many pages in long prompts (default 16).
-        spec_steps: MTP speculative decoding (not served by the engine yet: must be 0).
+        spec_steps: MTP draft tokens per decode step (0 = plain decode; needs the model's MTP
+            block). Greedy requests get exactly the ``spec_steps=0`` tokens, and every request
+            (greedy or seeded) exactly what ``Generator(spec_steps=k)`` gives it alone; a prefix
+            snapshot then also holds the MTP block's window ring and the streams it starts from.
         compile / cuda_graphs: as ``Generator``.
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
         prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``).
@@ -141,9 +159,9 @@ class Engine:
         check_int("page_size", page_size, 1)
         check_int("snapshot_interval", snapshot_interval, 1)
         check_int("spec_steps", spec_steps, 0)
-        if spec_steps:
-            raise ValueError("Engine: spec_steps > 0 (MTP speculative decoding) is not served by the engine yet; "
-                             "use Generator(spec_steps=k) for it")
+        if spec_steps and len(model.mtp) == 0:
+            raise ValueError(f"Engine: spec_steps={spec_steps} needs the model's MTP block, and this model has none "
+                             "(config.num_nextn_predict_layers = 0); use spec_steps=0")
         rates = [r for r in (cfg.csa_ratio, cfg.hca_ratio) if r]
         for r in rates:
             if page_size % r:
@@ -177,18 +195,24 @@ class Engine:
         if num_pages is None:
             num_pages = max_running * pages_per_request + 1
         check_int("num_pages", num_pages, 2)
-        if max_seq_len > model.max_positions:
-            model.set_max_positions(max_seq_len)
+        # as Generator: a speculative step runs up to k positions past a request's next token (drafts it
+        # may reject) and the MTP draft steps k further; the block table and RoPE tables reach that far
+        capacity = max_seq_len + 2 * (spec_steps + 1) if spec_steps else max_seq_len
+        if capacity > model.max_positions:
+            model.set_max_positions(capacity)
+        self.spec_steps = spec_steps
         # slot max_running is the dummy that prefill's padding rows read and write
-        self.pool = PagedKVPool(model, max_running + 1, max_seq_len, num_pages, page_size, kv_cache_dtype)
+        self.pool = PagedKVPool(model, max_running + 1, capacity, num_pages, page_size, kv_cache_dtype,
+                                lookahead=spec_steps)
+        self.spec = SpecSlots(model, self.pool, spec_steps, page_size) if spec_steps else None
         self.allocator = PageAllocator(num_pages)
         num_snapshots = 2 * max_running if num_snapshots is None else num_snapshots
         check_int("num_snapshots", num_snapshots, 0)
         self.cache = PrefixCache(self.allocator, page_size, num_snapshots if prefix_cache else 0,
                                  extra_key=kv_cache_dtype.encode(), enabled=bool(prefix_cache))
-        # ring snapshots at page boundaries: one row of every per-slot ring, per snapshot
+        # ring snapshots at page boundaries: one row of every per-slot ring (and MTP state), per snapshot
         self._snapshots = [torch.zeros((len(self.cache.free_snapshots), *t.shape[1:]), dtype=t.dtype,
-                                       device=t.device) for t in self.pool.ring_tensors()]
+                                       device=t.device) for t in self._slot_state(restore=False)]
         self._block_table = torch.zeros_like(self.pool.block_table, device="cpu")
         self._table_dirty = False
         self.compiled = compile
@@ -205,7 +229,8 @@ class Engine:
         self._next_id = 0
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
-                           compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0)
+                           compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0, accepted_tokens=0,
+                           drafted_tokens=0)
         self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -251,31 +276,35 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration (admit, prefill, decode, stop checks) -> what each request got."""
         t0 = time.perf_counter()
-        outputs = [RequestOutput(r.rid, [], True, "abort", r.cached_tokens)
+        outputs = [RequestOutput(r.rid, [], True, "abort", r.cached_tokens, r.accepted, r.drafted)
                    for r in list(self._requests.values()) if r.aborted]
         for o in outputs:
             del self._requests[o.request_id]
         self._admit()
         prefill = self._plan_prefill()
         decode = [r for r in self._slots if r is not None and r.generated and r.computed == r.num_tokens - 1]
-        decode = self._reserve(decode, lambda r: r.computed + 1)
+        # a speculative step writes k positions past the next token: pages for them too (not past the
+        # request's last position: what lies beyond goes to the dummy page and is never kept)
+        decode = self._reserve(decode, lambda r: min(r.computed + 1 + self.spec_steps, r.max_positions))
         prefill = [(r, n) for r, n in prefill if r.slot is not None]
-        results = []  # (kind, items, each step's tokens [bucket], the row of each item's token)
+        results = []  # (kind, items, each step's tokens [bucket, width], the row of each item's tokens)
         if prefill:
-            results.append(("prefill", prefill, self._run_prefill(prefill), range(len(prefill))))
+            results.append(("prefill", prefill, self._run_prefill(prefill)[:, None], range(len(prefill))))
         decode = [r for r in decode if r.slot is not None]
         if decode:
             results.append(("decode", decode, self._run_decode(decode), [r.slot for r in decode]))
         if results:
-            picked = torch.cat([tokens for _, _, tokens, _ in results]).tolist()  # the iteration's one sync
+            picked = torch.cat([tokens.flatten() for _, _, tokens, _ in results]).tolist()  # the iteration's one sync
             offset = 0
             for kind, items, tokens, rows in results:
+                width = tokens.shape[1]
                 for item, row in zip(items, rows):
                     req = item[0] if kind == "prefill" else item
-                    out = self._advance(req, kind, item, picked[offset + row])
+                    got = picked[offset + row * width: offset + (row + 1) * width]
+                    out = self._advance(req, kind, item, [t for t in got if t >= 0])
                     if out is not None:
                         outputs.append(out)
-                offset += tokens.shape[0]
+                offset += tokens.numel()
             self._stats["steps"] += 1
         self._stats["busy_time_s"] += time.perf_counter() - t0
         return outputs
@@ -325,8 +354,10 @@ class Engine:
             self._table_dirty = True
             self.pool.slot_len[slot] = hit
             if snap is not None:
-                for store, ring in zip(self._snapshots, self.pool.ring_tensors()):
-                    ring[slot].copy_(store[snap])
+                for store, t in zip(self._snapshots, self._slot_state(restore=True)):
+                    t[slot].copy_(store[snap])
+            if self.spec is not None and req.generated:  # resumed: its next token is known
+                self.spec.resume(slot, req.generated[-1], req.spec_saved)
 
     def _ensure_pages(self, req: _Request, end: int) -> None:
         """Pages for positions ``< end`` (raises OutOfPages)."""
@@ -350,6 +381,8 @@ class Engine:
         return [r for r in batch if r.slot is not None]
 
     def _preempt(self, req: _Request) -> None:
+        if self.spec is not None and req.generated and req.computed == req.num_tokens - 1:
+            req.spec_saved = self.spec.save(req.slot)  # decoding: resume with these drafts
         self._release(req)
         self._stats["preemptions"] += 1
         self._waiting.append(req)
@@ -402,40 +435,59 @@ class Engine:
         ids = torch.zeros(bucket, C, dtype=torch.long)
         rows = torch.full((bucket,), self.max_running, dtype=torch.long)  # padding: the dummy slot
         n_new = torch.zeros(bucket, dtype=torch.int32)
+        starts = torch.zeros(bucket, dtype=torch.bool)  # speculative: the prompt ends, drafting starts
         for i, (r, n) in enumerate(batch):
             ids[i, :n] = torch.tensor(r.token_range(r.computed, r.computed + n))
             rows[i], n_new[i] = r.slot, n
+            starts[i] = not r.generated and r.computed + n == r.prefill_target
         params, filtered = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
-        tokens, _ = self._run("prefill", bucket, filtered, ids.to(self.device), rows.to(self.device),
-                              n_new.to(self.device), params)
+        args = [ids.to(self.device), rows.to(self.device), n_new.to(self.device)]
+        if self.spec is not None:
+            args.append(starts.to(self.device))
+        tokens, _ = self._run("prefill", bucket, filtered, *args, params)
         self._stats["prefill_steps"] += 1
         return tokens
 
     def _run_decode(self, batch: list[_Request]) -> torch.Tensor:
+        """The decode step over slots ``0..bucket-1`` -> tokens ``[bucket, 1]`` (speculative:
+        ``[bucket, k+1]``, ``-1`` after each row's emitted ones); row = slot."""
         top = max(r.slot for r in batch) + 1
         bucket = next(b for b in self.decode_buckets if b >= top)
-        ids = torch.zeros(bucket, 1, dtype=torch.long)
         n_new = torch.zeros(bucket, dtype=torch.int32)
         by_slot: list[_Request | None] = [None] * bucket
         for r in batch:
-            last = r.generated[-1] if r.generated else r.prompt[-1]
-            ids[r.slot, 0], n_new[r.slot], by_slot[r.slot] = last, 1, r
+            n_new[r.slot], by_slot[r.slot] = 1, r
         params, filtered = self._params(by_slot)
         self._sync_table()
-        tokens, _ = self._run("decode", bucket, filtered, ids.to(self.device), None, n_new.to(self.device), params)
         self._stats["decode_steps"] += 1
-        return tokens  # row = slot
+        if self.spec is not None:  # the next tokens are on the device already (spec.last_tok)
+            if any(r.temperature > 0 for r in batch):
+                return self._run("decode_sample", bucket, filtered, n_new.to(self.device), params)[0]
+            # greedy rows only: no distributions to compute (the tokens are the same either way)
+            return self._run("decode", bucket, False, n_new.to(self.device))[0]
+        ids = torch.zeros(bucket, 1, dtype=torch.long)
+        for r in batch:
+            ids[r.slot, 0] = r.generated[-1] if r.generated else r.prompt[-1]
+        tokens, _ = self._run("decode", bucket, filtered, ids.to(self.device), None, n_new.to(self.device), params)
+        return tokens[:, None]
 
     def _fn(self, kind: str, filtered: bool):
         key = (kind, filtered)
         if key not in self._fns:
-            fn = functools.partial(pool_step, self.model, self.pool, filtered=filtered)
+            if self.spec is None:
+                fn = functools.partial(pool_step, self.model, self.pool, filtered=filtered)
+            elif kind == "prefill":
+                fn = functools.partial(self.spec.prefill_chunk, filtered=filtered)
+            elif kind == "decode_sample":
+                fn = functools.partial(self.spec.decode, filtered=filtered)
+            else:  # greedy speculative decode: no sampling settings
+                fn = self.spec.decode
             self._fns[key] = compile_step(fn, self.cuda_graphs) if self.compiled else fn
         return self._fns[key]
 
-    def _run(self, kind: str, bucket: int, filtered: bool, ids, rows, n_new, params):
-        return self._calls.run((kind, bucket, filtered), self._fn(kind, filtered), ids, rows, n_new, params)
+    def _run(self, kind: str, bucket: int, filtered: bool, *args):
+        return self._calls.run((kind, bucket, filtered), self._fn(kind, filtered), *args)
 
     @property
     def _graphs(self) -> dict[tuple, int]:
@@ -443,49 +495,75 @@ class Engine:
         return self._calls.graphs
 
     # ------------------------------------------------------------------ after a step
-    def _advance(self, req: _Request, kind: str, item, tok: int) -> RequestOutput | None:
+    def _advance(self, req: _Request, kind: str, item, tokens: list[int]) -> RequestOutput | None:
+        """Take a step's ``tokens`` for ``req`` (a prefill row: one; a decode row: one, or the 1 to
+        k+1 a speculative step emitted): append them up to a stop, advance, snapshot."""
+        before = req.computed
         if kind == "prefill":
-            n = item[1]
-            req.computed += n
-            self._maybe_snapshot(req, prefill=True)
+            req.computed += item[1]
+            self._maybe_snapshot(req, True, before, req.computed)
             if req.computed < req.prefill_target or req.generated:
                 return None  # more prompt to go, or a resumed request whose next token is known
-        else:
-            req.computed += 1
-            self._maybe_snapshot(req, prefill=False)
-        req.generated.append(tok)
-        self._stats["generated_tokens"] += 1
-        reason = "stop" if tok in req.eos else "length" if len(req.generated) >= req.max_new else None
+        elif self.spec is not None:
+            req.accepted += len(tokens) - 1  # the last one is verify's own token, not a draft
+            req.drafted += self.spec_steps
+            self._stats["accepted_tokens"] += len(tokens) - 1
+            self._stats["drafted_tokens"] += self.spec_steps
+        new, reason = [], None
+        for tok in tokens:
+            new.append(tok)
+            reason = "stop" if tok in req.eos else "length" if len(req.generated) + len(new) >= req.max_new else None
+            if reason is not None:
+                break
+        req.generated += new
+        self._stats["generated_tokens"] += len(new)
+        if kind == "decode":
+            req.computed = req.num_tokens - 1  # every emitted token but the last was a verified input
+            self._maybe_snapshot(req, False, before, before + len(tokens))
         if reason is not None:
             self._release(req)
             del self._requests[req.rid]
             self._stats["finished"] += 1
-        new = [tok]
-        return RequestOutput(req.rid, new, reason is not None, reason, req.cached_tokens)
+        return RequestOutput(req.rid, new, reason is not None, reason, req.cached_tokens, req.accepted, req.drafted)
 
-    def _maybe_snapshot(self, req: _Request, prefill: bool) -> None:
-        """At a page boundary: save the slot's rings if a later request may resume here (in a
-        prompt: every ``snapshot_interval`` pages and the prompt's last boundary; while decoding:
-        the latest boundary only)."""
-        if not self.cache.enabled or req.computed % self.page_size:
+    def _maybe_snapshot(self, req: _Request, prefill: bool, before: int, reached: int) -> None:
+        """After a step took ``req`` from ``before`` to ``computed`` positions (``reached``: where
+        the device state is, past ``computed`` when a stop cut a speculative step's tokens): if that
+        passed a page boundary, save the slot's rings there when a later request may resume at it
+        (in a prompt: every ``snapshot_interval`` pages and the prompt's last boundary; while
+        decoding: the latest boundary only)."""
+        if not self.cache.enabled:
             return
         depth = req.computed // self.page_size
-        if depth in req.snapshots or depth <= len(req.shared):
+        H = depth * self.page_size
+        if H <= before or depth in req.snapshots or depth <= len(req.shared):
             return
         if prefill:
             last = (req.prefill_target - 1) // self.page_size
             if depth % self.snapshot_interval and depth != last:
                 return
-        elif req.decode_snapshot is not None:
-            self.cache.give_back_snapshot(req.snapshots.pop(req.decode_snapshot))
+        else:
+            # speculative: h_page holds the streams at the last boundary the device state reached; the
+            # MTP ring (W + k + 1 slots) still holds the window below H while the step wrote no further
+            # than H + k (its draft steps reach reached + k - 2), i.e. reached <= H + 2
+            if self.spec is not None and (reached // self.page_size != depth or reached > H + 2):
+                return
+            if req.decode_snapshot is not None:
+                self.cache.give_back_snapshot(req.snapshots.pop(req.decode_snapshot))
         snap = self.cache.take_snapshot_slot()
         if snap is None:
             return
-        for store, ring in zip(self._snapshots, self.pool.ring_tensors()):
-            store[snap].copy_(ring[req.slot])
+        for store, t in zip(self._snapshots, self._slot_state(restore=False)):
+            store[snap].copy_(t[req.slot])
         req.snapshots[depth] = snap
         if not prefill:
             req.decode_snapshot = depth
+
+    def _slot_state(self, restore: bool) -> list[torch.Tensor]:
+        """The per-slot tensors a prefix snapshot holds, saved from (``restore=False``) or restored
+        into (``restore=True``): every ring, and speculative, the MTP block's (``SpecSlots``)."""
+        extra = self.spec.snapshot_tensors(restore) if self.spec is not None else []
+        return self.pool.ring_tensors() + extra
 
     # ------------------------------------------------------------------ stats
     @property
@@ -494,7 +572,9 @@ class Engine:
         prefix_evictions, prefix_hit_tokens and
         prefix_hit_rate (hit tokens / prompt tokens admitted), preemptions, recompiles, graph_breaks,
         cuda_graph_replays, generated_tokens, tokens_per_s (generated tokens over the time spent in
-        ``step``, compiling excluded), and the step counts."""
+        ``step``, compiling excluded), the step counts, and with ``spec_steps > 0``
+        accepted_tokens / drafted_tokens (drafts accepted / made, over every request) and their
+        ratio acceptance_rate (``RequestOutput`` carries each request's own counts)."""
         s = dict(self._stats)
         s["running"] = sum(r is not None for r in self._slots)
         s["waiting"] = len(self._waiting)
@@ -505,4 +585,5 @@ class Engine:
         s["prefix_hit_rate"] = s["prefix_hit_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0
         busy = s["busy_time_s"] - s["compile_time_s"]
         s["tokens_per_s"] = s["generated_tokens"] / busy if busy > 0 else 0.0
+        s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0
         return s

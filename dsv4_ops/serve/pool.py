@@ -81,7 +81,9 @@ class LayerPages:
 
 class PagedKVPool:
     """Rings for ``slots`` request slots and ``num_pages`` pages of ``page_size`` positions for
-    every attention layer of ``model`` (main layers only: MTP is not served from pages yet).
+    every main attention layer of ``model`` (the MTP block's window ring is ``spec.SpecSlots``'s).
+    ``lookahead``: ring slots for steps of up to ``1 + lookahead`` tokens whose last ones may be
+    rejected (speculative verify), as ``model.setup_caches``.
 
     ``slot_len [slots] int32`` (positions cached per slot) and ``block_table [slots, P] int32``
     are device buffers with static addresses; the engine fills them, the compiled steps read
@@ -89,17 +91,17 @@ class PagedKVPool:
     """
 
     def __init__(self, model, slots: int, max_seq_len: int, num_pages: int, page_size: int,
-                 kv_cache_dtype: str = "auto", dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: str = "auto", dtype: torch.dtype | None = None, lookahead: int = 0) -> None:
         cfg = model.config
         self.config, self.slots, self.page_size, self.num_pages = cfg, slots, page_size, num_pages
         self.pages_per_request = -(-max_seq_len // page_size)
         self.max_seq_len = max_seq_len
         self.fp8 = kv_cache_dtype == "fp8"
-        self.rings: RingSizes = ring_sizes(cfg)
+        self.rings: RingSizes = ring_sizes(cfg, lookahead)
         device = model.device
         dtype = torch.bfloat16 if kv_cache_dtype == "bf16" else dtype or model.dtype
         self.dtype = dtype
-        self.layers = [layer_pages(layer.self_attn, slots, num_pages, page_size, self.fp8, dtype, device)
+        self.layers = [layer_pages(layer.self_attn, slots, num_pages, page_size, self.fp8, dtype, device, self.rings)
                        for layer in model.model.layers]
         self.slot_len = torch.zeros(slots, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(slots, self.pages_per_request, dtype=torch.int32, device=device)
@@ -132,10 +134,11 @@ class PagedKVPool:
 
 
 def layer_pages(attn, slots: int, num_pages: int, page_size: int, fp8_cache: bool, dtype: torch.dtype,
-                device) -> LayerPages:
-    """One attention layer's rings for ``slots`` slots and, for compressed layers, ``num_pages`` pages."""
+                device, rings: RingSizes | None = None) -> LayerPages:
+    """One attention layer's rings (``rings``, default the smallest) for ``slots`` slots and, for
+    compressed layers, ``num_pages`` pages."""
     cfg = attn.cfg
-    st = attn.new_state(slots, 1, ring_sizes(cfg), dtype, device, fp8_cache)
+    st = attn.new_state(slots, 1, rings or ring_sizes(cfg), dtype, device, fp8_cache)
     rings = {k: getattr(st, k) for k in RING_FIELDS if getattr(st, k) is not None}
     if attn.layer_type == SLIDING:
         return LayerPages(rings, None, None, 0, fp8_cache)

@@ -294,6 +294,7 @@ def create_app(worker: EngineThread, tokenizer, model_name: str, eos_ids: list[i
                 ("dsv4_prefix_hit_tokens_total", s["prefix_hit_tokens"], "counter"),
                 ("dsv4_kv_pages_used", s["pages_used"], "gauge"), ("dsv4_kv_pages_free", s["pages_free"], "gauge"),
                 ("dsv4_preemptions_total", s["preemptions"], "counter"),
+                ("dsv4_spec_acceptance_rate", s["acceptance_rate"], "gauge"),
                 ("dsv4_recompiles", s["recompiles"], "gauge")):
             lines += [f"# TYPE {name} {kind}", f"{name} {value}"]
         lines += ttft.text() + tpot.text()

@@ -1,7 +1,9 @@
 """Bad input to the engine: a ValueError that names the argument and its limit, raised before
 anything runs, and the engine keeps serving the other requests."""
 import pytest
+import torch
 
+from dsv4_ops import DSV4Config, DeepseekV4ForCausalLM
 from dsv4_ops.serve import Engine
 from engine_cases import MAX_LEN, PAGE, alone, engine, tiny_model
 
@@ -60,12 +62,21 @@ def test_abort_of_an_unknown_request_names_it(model):
     (dict(num_pages=1), r"num_pages"),
     (dict(num_pages=8, kv_memory_gb=1.0), r"num_pages or kv_memory_gb"),
     (dict(kv_memory_gb=-1), r"kv_memory_gb must be a positive number"),
-    (dict(spec_steps=2), r"spec_steps > 0 .* not served by the engine yet"),
+    (dict(spec_steps=-1), r"spec_steps must be an int >= 0, got -1"),
+    (dict(spec_steps=1.5), r"spec_steps must be an int"),
     (dict(kv_cache_dtype="int4"), r"kv_cache_dtype"),
 ])
 def test_bad_engine_settings_name_the_argument(model, kw, match):
     with pytest.raises(ValueError, match=match):
         engine(model, **kw)
+
+
+def test_spec_steps_on_a_model_without_an_mtp_block_names_spec_steps():
+    torch.manual_seed(0)
+    no_mtp = DeepseekV4ForCausalLM(DSV4Config.tiny(num_nextn_predict_layers=0)).eval()
+    with pytest.raises(ValueError, match=r"spec_steps=2 needs the model's MTP block"):
+        engine(no_mtp, spec_steps=2)
+    assert engine(no_mtp).generate([[1, 2, 3]], max_new_tokens=3) == [alone(no_mtp, [1, 2, 3], max_new_tokens=3)]
 
 
 def test_kv_memory_gb_sizes_the_pool_in_pages(model):

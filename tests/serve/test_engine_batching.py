@@ -1,10 +1,12 @@
 """Continuous batching == alone: requests of random lengths that arrive at random steps, greedy
-and seeded sampling, each give exactly what ``Generator.generate([prompt])`` gives alone."""
+and seeded sampling, each give exactly what ``Generator.generate([prompt])`` gives alone; with
+``spec_steps=k`` what ``Generator(spec_steps=k)`` gives alone, drafts accepted included."""
 import random
 
 import pytest
 
-from engine_cases import alone, engine, random_prompts, run_arriving, tiny_model
+from engine_cases import (alone, alone_spec, engine, random_prompts, run_arriving, text_prompts, text_tokens,
+                          tiny_model, trained_model)
 
 
 @pytest.fixture(scope="module")
@@ -12,12 +14,18 @@ def model():
     return tiny_model()
 
 
-def _requests(rng, n):
-    # lengths across 4- (CSA) and 16-token (HCA, window) boundaries, shorter than the window and longer than a page
-    prompts = random_prompts(rng, n - 4, (1, 100)) + [[rng.randrange(256) for _ in range(k)] for k in (15, 16, 32, 33)]
+def _requests(rng, n, spec_steps=0):
+    # lengths across 4- (CSA) and 16-token (HCA) boundaries, shorter than the window and longer than a
+    # page; the trained model's (speculative cases) window is 64, so its prompts also cross 64 and 128
+    if spec_steps:
+        fixed = [text_tokens(rng, k) for k in (15, 16, 32, 33, 63, 65, 127, 128, 129)]
+        prompts, new = text_prompts(rng, n - len(fixed), (1, 100)) + fixed, (1, 20)
+    else:
+        fixed = [[rng.randrange(256) for _ in range(k)] for k in (15, 16, 32, 33)]
+        prompts, new = random_prompts(rng, n - len(fixed), (1, 100)) + fixed, (1, 14)
     reqs = []
     for i, p in enumerate(prompts):
-        kw = dict(prompt_ids=p, max_new_tokens=rng.randint(1, 14))
+        kw = dict(prompt_ids=p, max_new_tokens=rng.randint(*new))
         if i % 3 == 1:
             kw.update(temperature=0.8, seed=1000 + i)
         elif i % 3 == 2:
@@ -26,19 +34,28 @@ def _requests(rng, n):
     return reqs
 
 
-def test_requests_arriving_at_random_steps_get_their_tokens_alone(model):
+@pytest.mark.parametrize("spec_steps", [0, 1, 2])
+def test_requests_arriving_at_random_steps_get_their_tokens_alone(model, spec_steps):
     rng = random.Random(11)
-    reqs = _requests(rng, 24)
-    eng = engine(model, max_running=4, num_pages=40)
+    model = trained_model() if spec_steps else model
+    reqs = _requests(rng, 24, spec_steps)
+    eng = engine(model, max_running=4, num_pages=40, spec_steps=spec_steps)
     got = run_arriving(eng, reqs, rng)
     for i, kw in enumerate(reqs):
-        want = alone(model, kw["prompt_ids"], **{k: v for k, v in kw.items() if k != "prompt_ids"})
-        tokens, reason, _ = got[i]
+        settings = {k: v for k, v in kw.items() if k != "prompt_ids"}
+        want, accepted = alone_spec(model, kw["prompt_ids"], spec_steps, **settings)
+        tokens, reason, _, got_accepted = got[i]
         assert tokens == want, i
         assert reason == "length"
+        assert got_accepted == accepted, i  # each row advanced by its own accepted count, as alone
+        if spec_steps and "temperature" not in kw:
+            assert tokens == alone(model, kw["prompt_ids"], **settings), i  # greedy: the spec_steps=0 tokens
     s = eng.stats
     assert s["running"] == s["waiting"] == 0 and s["finished"] == 24
     assert s["decode_steps"] > 0 and s["prefill_steps"] > 0
+    if spec_steps:  # some drafts accepted, some rejected
+        assert 0 < s["accepted_tokens"] < s["drafted_tokens"] and 0 < s["acceptance_rate"] < 1
+        assert sum(got[i][3] > 0 for i in got) >= len(reqs) // 2
 
 
 def test_stop_ids_end_a_request_with_reason_stop_and_the_others_run_on(model):
@@ -64,20 +81,29 @@ def test_generate_returns_what_generator_returns(model):
     assert got == [alone(model, p, max_new_tokens=6, temperature=0.7, seed=40 + i) for i, p in enumerate(prompts)]
 
 
-def test_a_tiny_pool_preempts_the_newest_request_and_gives_the_same_tokens(model):
-    rng = random.Random(9)
-    prompts = random_prompts(rng, 6, (40, 70))
-    eng = engine(model, max_running=4, num_pages=9, prefix_cache=False)  # 8 real pages; a request takes 3-4
-    got = eng.generate(prompts, max_new_tokens=24)
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_a_tiny_pool_preempts_the_newest_request_and_gives_the_same_tokens(model, spec_steps):
+    rng = random.Random(1)
+    model, prompts = (trained_model(), text_prompts(rng, 6, (40, 70))) if spec_steps else \
+        (model, random_prompts(rng, 6, (40, 70)))
+    # speculative: sampled and greedy rows; a sampled row preempted while decoding resumes with the
+    # drafts it had (with placeholders it would draw other tokens: this case would fail)
+    temperature = [0.9, 0.0] * 3 if spec_steps else 0.0
+    eng = engine(model, max_running=4, num_pages=9, prefix_cache=False, spec_steps=spec_steps)  # 8 real pages
+    got = eng.generate(prompts, max_new_tokens=24, temperature=temperature, seed=7)  # a request takes 3-4
     assert eng.stats["preemptions"] > 0
-    assert got == [alone(model, p, max_new_tokens=24) for p in prompts]
+    want = [alone_spec(model, p, spec_steps, max_new_tokens=24, temperature=temperature[i] if spec_steps else 0.0,
+                       seed=7 + i) for i, p in enumerate(prompts)]
+    assert got == [w for w, _ in want]
+    assert eng.stats["accepted_tokens"] == sum(a for _, a in want)
     assert eng.stats["pages_free"] == 8 and all(r == 0 for r in eng.allocator.refcount)
 
 
-def test_abort_frees_the_pages_and_the_others_finish(model):
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_abort_frees_the_pages_and_the_others_finish(model, spec_steps):
     rng = random.Random(4)
     prompts = random_prompts(rng, 3, (30, 50))
-    eng = engine(model, prefix_cache=False, num_pages=20)
+    eng = engine(trained_model() if spec_steps else model, prefix_cache=False, num_pages=20, spec_steps=spec_steps)
     ids = [eng.add_request(p, max_new_tokens=8) for p in prompts]
     eng.step()
     eng.step()

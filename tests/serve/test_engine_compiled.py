@@ -8,21 +8,23 @@ import torch
 from engine_cases import CHUNK, engine, random_prompts, run_arriving, tiny_model
 
 
-def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps():
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps(spec_steps):
     torch._dynamo.reset()
     model = tiny_model(2)
     rng = random.Random(21)
     reqs = [dict(prompt_ids=p, max_new_tokens=rng.randint(10, 30)) for p in random_prompts(rng, 24, (1, 60))]
-    # two slots, one prefill row: the graphs are prefill [1, CHUNK] and decode [1, 1] / [2, 1]
-    eng = engine(model, max_running=2, max_prefill_tokens=CHUNK, compile=True, num_pages=20)
+    # two slots, one prefill row: the graphs are prefill [1, CHUNK] and decode [1, 1] / [2, 1] (speculative:
+    # verify [1 + k] tokens a row, MTP extend and drafts, in one graph per bucket)
+    eng = engine(model, max_running=2, max_prefill_tokens=CHUNK, compile=True, num_pages=20, spec_steps=spec_steps)
     got = run_arriving(eng, reqs, random.Random(0))
     s = eng.stats
     assert s["steps"] >= 200
     assert s["recompiles"] == 0 and s["graph_breaks"] == 0
     assert sorted(eng._graphs) == [("decode", 1, False), ("decode", 2, False), ("prefill", 1, False)]
     assert all(n == 1 for n in eng._graphs.values())
-    want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20), reqs,
-                        random.Random(0))
+    want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20, spec_steps=spec_steps),
+                        reqs, random.Random(0))
     assert [got[i][0] for i in range(len(reqs))] == [want[i][0] for i in range(len(reqs))]
 
 

@@ -1,13 +1,17 @@
 """Prefix cache == cold: requests that share a prefix restore its pages and the ring snapshot at
 its last page boundary, and give exactly the tokens of ``prefix_cache=False``; hits land where
 the pages and a snapshot exist, and nowhere else; pages and refcounts return to their initial
-values."""
+values. With MTP speculative decoding (``spec_steps=1``, the trained model) the snapshot also holds
+the MTP block's window and the streams it starts from: a hit then drafts what the cold run drafts
+(the same accepted counts, the same sampled tokens)."""
 import random
+from typing import NamedTuple
 
 import pytest
+import torch
 
 from dsv4_ops.serve.prefix_cache import PageAllocator, PrefixCache, page_keys
-from engine_cases import PAGE, engine, random_prompts, tiny_model
+from engine_cases import PAGE, engine, random_prompts, text_tokens, tiny_model, trained_model
 
 
 @pytest.fixture(scope="module")
@@ -15,18 +19,36 @@ def model():
     return tiny_model(1)
 
 
-def _one_by_one(eng, prompts, **kw):
-    """Each prompt after the previous one finished: ``[(tokens, cached_tokens)]``."""
+def _case(model, spec_steps):
+    """The model and prompt tokens of a case: random weights and ids, or (speculative) the trained
+    model on Python source."""
+    if spec_steps:
+        return trained_model(), text_tokens
+    return model, lambda rng, n: [rng.randrange(256) for _ in range(n)]
+
+
+class Served(NamedTuple):
+    tokens: list[int]
+    cached: int
+    accepted: int  # drafts accepted (speculative)
+    mtp: tuple | None  # speculative: the slot's MTP window ring, h_last and draft distributions at the end
+
+
+def _one_by_one(eng, prompts, **kw) -> list[Served]:
+    """Each prompt after the previous one finished (so each runs in slot 0)."""
     out = []
     for p in prompts:
         rid = eng.add_request(p, **kw)
-        toks, cached = [], None
+        toks, cached, accepted = [], None, None
         while eng.has_unfinished():
             for o in eng.step():
                 assert o.request_id == rid
                 toks += o.new_token_ids
-                cached = o.cached_tokens
-        out.append((toks, cached))
+                cached, accepted = o.cached_tokens, o.accepted_tokens
+        spec = eng.spec
+        mtp = None if spec is None else (spec.mtp.rings["window"][0].clone(), spec.h_last[0].clone(),
+                                         spec.draft_probs[0].clone())
+        out.append(Served(toks, cached, accepted, mtp))
     return out
 
 
@@ -37,46 +59,67 @@ def _drained(eng):
     assert len(eng.cache.free_snapshots) == len(eng._snapshots[0])
 
 
-def test_a_shared_system_prompt_is_served_from_the_cache_with_the_cold_tokens(model):
+def _same(hot: list[Served], cold: list[Served], bound: dict | None = None) -> bool:
+    """Each request's tokens and drafts accepted, and (speculative) its MTP state: bit for bit
+    (``bound=None``) where a hit computes what the cold run computed at every position past the
+    boundary (same chunks and step shapes, the MTP window's entries from the restored streams and
+    ring included), else within ``bound`` (a snapshot taken while decoding: what verify computed)."""
+    if [(h.tokens, h.accepted) for h in hot] != [(c.tokens, c.accepted) for c in cold]:
+        return False
+    close = torch.equal if bound is None else lambda a, b: torch.allclose(a, b, **bound)
+    return all(h.mtp is None or all(close(a, b) for a, b in zip(h.mtp, c.mtp)) for h, c in zip(hot, cold))
+
+
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_a_shared_system_prompt_is_served_from_the_cache_with_the_cold_tokens(model, spec_steps):
     rng = random.Random(3)
-    system = [rng.randrange(256) for _ in range(70)]  # two full pages and a part
-    prompts = [system + q for q in random_prompts(rng, 5, (1, 30))]
-    cold = _one_by_one(engine(model, prefix_cache=False), prompts, max_new_tokens=8)
-    eng = engine(model)
+    model, tokens = _case(model, spec_steps)
+    system = tokens(rng, 70)  # two full pages and a part
+    prompts = [system + tokens(rng, rng.randint(1, 26)) for _ in range(5)]  # <= 96 tokens: no hit past 64
+    cold = _one_by_one(engine(model, prefix_cache=False, spec_steps=spec_steps), prompts, max_new_tokens=8)
+    eng = engine(model, spec_steps=spec_steps)
     hot = _one_by_one(eng, prompts, max_new_tokens=8, temperature=0.9, seed=3)
     hot_greedy = _one_by_one(eng, prompts, max_new_tokens=8)
-    assert [t for t, _ in hot_greedy] == [t for t, _ in cold]
-    assert [c for _, c in cold] == [0] * 5
-    assert hot[0][1] == 0 and all(c == 64 for _, c in hot[1:] + hot_greedy)  # the system prompt's 2 full pages
-    sampled_cold = _one_by_one(engine(model, prefix_cache=False), prompts, max_new_tokens=8, temperature=0.9, seed=3)
-    assert [t for t, _ in hot] == [t for t, _ in sampled_cold]
+    assert _same(hot_greedy, cold)
+    assert [c.cached for c in cold] == [0] * 5
+    assert hot[0].cached == 0 and all(h.cached == 64 for h in hot[1:] + hot_greedy)  # the system prompt's 2 full pages
+    sampled_cold = _one_by_one(engine(model, prefix_cache=False, spec_steps=spec_steps), prompts, max_new_tokens=8,
+                               temperature=0.9, seed=3)
+    assert _same(hot, sampled_cold)
     assert eng.stats["prefix_hit_tokens"] == 64 * 9 and eng.stats["prefix_hit_rate"] > 0
+    if spec_steps:
+        assert eng.stats["accepted_tokens"] > 0
     _drained(eng)
 
 
-@pytest.mark.parametrize("n", [PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 1, 3 * PAGE])
-def test_prompts_around_page_boundaries_hit_the_last_boundary_below_them(model, n):
+@pytest.mark.parametrize("n, spec_steps", [(n, 0) for n in (PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 1, 3 * PAGE)]
+                         + [(n, 1) for n in (PAGE - 1, PAGE, PAGE + 1)])
+def test_prompts_around_page_boundaries_hit_the_last_boundary_below_them(model, n, spec_steps):
     rng = random.Random(n)
-    prompt = [rng.randrange(256) for _ in range(n)]
-    cold = _one_by_one(engine(model, prefix_cache=False), [prompt], max_new_tokens=6)[0][0]
-    eng = engine(model)
-    (first, c0), (again, c1) = _one_by_one(eng, [prompt, prompt], max_new_tokens=6)
-    assert first == again == cold
+    model, tokens = _case(model, spec_steps)
+    prompt = tokens(rng, n)
+    cold = _one_by_one(engine(model, prefix_cache=False, spec_steps=spec_steps), [prompt], max_new_tokens=6)
+    eng = engine(model, spec_steps=spec_steps)
+    first, again = _one_by_one(eng, [prompt, prompt], max_new_tokens=6)
+    assert _same([first], cold) and _same([again], cold)
     # at least one token is computed: the hit ends at the last boundary at or below n - 1
-    assert c0 == 0 and c1 == (n - 1) // PAGE * PAGE
+    assert first.cached == 0 and again.cached == (n - 1) // PAGE * PAGE
     _drained(eng)
 
 
-def test_a_multi_turn_conversation_resumes_at_the_last_boundary_it_reached(model):
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_a_multi_turn_conversation_resumes_at_the_last_boundary_it_reached(model, spec_steps, tol):
     rng = random.Random(8)
-    turn1 = [rng.randrange(256) for _ in range(40)]
-    eng = engine(model)
-    (reply, _), = _one_by_one(eng, [turn1], max_new_tokens=30)
-    turn2 = turn1 + reply + [rng.randrange(256) for _ in range(9)]
-    (got, cached), = _one_by_one(eng, [turn2], max_new_tokens=8)
-    (want, _), = _one_by_one(engine(model, prefix_cache=False), [turn2], max_new_tokens=8)
-    assert got == want
-    assert cached == (40 + 30 - 1) // PAGE * PAGE  # the rolling snapshot taken while decoding
+    model, tokens = _case(model, spec_steps)
+    turn1 = tokens(rng, 40)
+    eng = engine(model, spec_steps=spec_steps)
+    reply = _one_by_one(eng, [turn1], max_new_tokens=30)[0].tokens
+    turn2 = turn1 + reply + tokens(rng, 9)
+    hot = _one_by_one(eng, [turn2], max_new_tokens=8)
+    cold = _one_by_one(engine(model, prefix_cache=False, spec_steps=spec_steps), [turn2], max_new_tokens=8)
+    assert _same(hot, cold, tol("speculative_cache_entries"))
+    # the rolling snapshot taken while decoding (speculative: by the step that passed the boundary)
+    assert hot[0].cached == (40 + 30 - 1) // PAGE * PAGE
     _drained(eng)
 
 
@@ -136,8 +179,6 @@ def test_locked_entries_are_never_evicted_and_leaves_go_first():
 
 
 def test_the_fp8_cache_serves_prefix_hits_with_the_tokens_generator_gives_alone():
-    import torch
-
     from dsv4_ops import DSV4Config, DeepseekV4ForCausalLM, Generator
 
     torch.manual_seed(5)
@@ -148,6 +189,6 @@ def test_the_fp8_cache_serves_prefix_hits_with_the_tokens_generator_gives_alone(
     eng = engine(model, kv_cache_dtype="fp8")
     hot = _one_by_one(eng, prompts, max_new_tokens=6)
     gen = Generator(model, max_batch_size=1, max_seq_len=256, compile=False, prefill_chunk=16, kv_cache_dtype="fp8")
-    assert [t for t, _ in hot] == [gen.generate([p], max_new_tokens=6)[0] for p in prompts]
-    assert [c for _, c in hot] == [0, 64, 64]
+    assert [h.tokens for h in hot] == [gen.generate([p], max_new_tokens=6)[0] for p in prompts]
+    assert [h.cached for h in hot] == [0, 64, 64]
     _drained(eng)
