@@ -268,6 +268,7 @@ def test_a_flood_past_the_queue_gets_503_and_nothing_crashes():
         s.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected failure, re-raised
 def test_an_engine_failure_ends_open_streams_with_an_error_event_and_health_says_so():
     """The engine thread dying mid-stream (a CUDA error, say): each open stream ends with an OpenAI-style error event
     and ``[DONE]`` (its status line is sent already), not a dropped connection; /health says why; the server answers
