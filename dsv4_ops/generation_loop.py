@@ -1,9 +1,10 @@
 """What ``Generator`` (compiled model) and ``AOTIGenerator`` (exported package) share: the
-boundary checks, the ragged batch laid out in prefill chunks, the decode and speculative loops
+boundary checks, the ragged batch laid out in prefill chunks (one fixed chunk, or the smallest of a
+few chunk sizes that holds what is left: ``chunk_schedule``), the decode and speculative loops
 (greedy or sampled, with per-request stop ids and lengths) over their own step calls, and the
 stats. Each subclass supplies the steps:
 
-    _prefill_chunk(j, batch) -> logits [bucket, vocab]   # chunk j of a prepared batch
+    _prefill_chunk(j, batch) -> logits [bucket, vocab]   # chunk j ([bucket, batch.chunks[j]]) of a prepared batch
     _decode_step(ids [B], n_new) -> logits [B, vocab]   # one token per row (trusted ids); n_new [bucket]
                                                         # int32 (None = every request takes one)
     _spec_step(active [bucket] int32, params, filtered) -> (tokens [bucket, k+1], counts [bucket])
@@ -24,7 +25,7 @@ from .ops.validate import check_int
 from .sampling import SamplingParams
 
 __all__ = ["GenerationLoop", "PreparedBatch", "check_prompts", "check_next_ids", "pad_rows", "chunked",
-           "check_int"]
+           "check_int", "chunk_buckets", "chunks_within", "chunk_schedule"]
 
 
 def check_prompts(prompts, max_batch_size: int, max_seq_len: int, vocab_size: int, where: str = "prefill"
@@ -91,39 +92,92 @@ def pad_rows(ids: Tensor, rows: int) -> Tensor:
     return out
 
 
-def chunked(ids: Tensor, C: int) -> Tensor:
-    """``[bucket, n * C]`` -> ``[n, bucket, C]`` contiguous, so every chunk ``[bucket, C]`` has
-    strides ``(C, 1)`` whatever the prompt length (dynamo guards on strides; ``.contiguous()``
-    would keep a size-1 bucket's long row stride)."""
-    return ids.view(ids.shape[0], -1, C).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+def chunked(ids: Tensor, chunks: Sequence[int], device: torch.device) -> list[Tensor]:
+    """``[bucket, sum(chunks)]`` -> one contiguous ``[bucket, chunks[j]]`` tensor per step on ``device``
+    (views of one buffer, copied once), so every chunk ``[bucket, C]`` has strides ``(C, 1)`` whatever
+    the prompt length (dynamo guards on strides; a slice of the long id tensor would keep its row
+    stride, and ``.contiguous()`` would keep a size-1 bucket's long row stride)."""
+    rows = ids.shape[0]
+    flat = torch.cat([part.reshape(-1) for part in ids.split(list(chunks), dim=1)]).to(device)
+    out, at = [], 0
+    for C in chunks:
+        out.append(flat[at : at + rows * C].view(rows, C))
+        at += rows * C
+    return out
+
+
+# ---- chunk buckets: the prefill chunk sizes a Generator with prefill_chunk=None compiles
+SMALLEST_CHUNK = 64  # the old fixed default: a short prompt is one step, as before
+LARGEST_CHUNK = 2048  # the largest chunk measured (#47: a 4K prompt in 46 ms at 2048, 102 ms at 512)
+CHUNK_RATIO = 4  # 4 sizes (graphs per batch bucket) from 64 to 2048; only a batch's last step pads, to < 4x its rest
+DEFAULT_MAX_PREFILL_TOKENS = 8192  # = 4 x 2048: batch buckets 1..4 take 2048-token chunks
+
+
+def chunk_buckets(max_seq_len: int) -> list[int]:
+    """The chunk sizes (tokens per row per prefill step) compiled for ``prefill_chunk=None``:
+    ``64 * 4**i`` up to 2048, each capped at ``max_seq_len`` (a longer chunk would only pad):
+    ``[64, 256, 1024, 2048]`` for ``max_seq_len >= 2048``, ``[64, 200]`` for 200, ``[48]`` for 48."""
+    out, C = [], SMALLEST_CHUNK
+    while True:
+        out.append(min(C, LARGEST_CHUNK, max_seq_len))
+        if C >= LARGEST_CHUNK or C >= max_seq_len:
+            return sorted(set(out))
+        C *= CHUNK_RATIO
+
+
+def chunks_within(buckets: Sequence[int], max_prefill_tokens: int, rows: int) -> list[int]:
+    """The chunk buckets a prefill step of ``rows`` rows (a batch bucket) may take: those with
+    ``rows * chunk <= max_prefill_tokens``; when even the smallest is too large, the one chunk
+    ``max_prefill_tokens // rows`` (at least one token a row)."""
+    return [C for C in buckets if rows * C <= max_prefill_tokens] or [max(1, max_prefill_tokens // rows)]
+
+
+def chunk_schedule(longest: int, chunks: Sequence[int]) -> list[int]:
+    """The chunk of each prefill step of a batch whose longest prompt has ``longest`` tokens: the
+    smallest of ``chunks`` that holds the longest remaining part of any row, capped at the largest
+    (every row takes ``min(chunk, its remaining tokens)`` a step). With ``chunks = [64, 256, 1024,
+    2048]``: 4096 -> ``[2048, 2048]``, 3000 -> ``[2048, 1024]``, 100 -> ``[256]``; one fixed chunk
+    ``[C]`` gives ``ceil(longest / C)`` steps of ``C``."""
+    top, left, out = max(chunks), longest, []
+    while left > top:
+        out.append(top)
+        left -= top
+    out.append(min(C for C in chunks if C >= left))
+    return out
 
 
 class PreparedBatch(NamedTuple):
-    """A ragged batch laid out for prefill: chunk ``j`` is ``ids[j]`` with ``n_new(j)`` real tokens per row."""
+    """A ragged batch laid out for prefill: step ``j`` is ``ids[j]`` (``[bucket, chunks[j]]``) with
+    ``n_new(j)`` real tokens per row."""
 
     B: int
     bucket: int
     lengths: list[int]  # prompt lengths
-    ids: Tensor  # [n_chunks, bucket, C] on the device
-    next_ids: Tensor | None  # the same layout, shifted by one token (speculative prefill's MTP inputs)
+    ids: list[Tensor]  # per step: [bucket, chunks[j]] on the device
+    next_ids: list[Tensor] | None  # the same layout, shifted by one token (speculative prefill's MTP inputs)
     lens: Tensor  # [bucket] int32 on the device, 0 for padding rows
-    C: int
+    chunks: tuple[int, ...]  # tokens per row of each step
 
     @property
     def n_chunks(self) -> int:
-        return self.ids.shape[0]
+        return len(self.chunks)
+
+    def start(self, j: int) -> int:
+        """The prompt position step ``j`` starts at."""
+        return sum(self.chunks[:j])
 
     def n_new(self, j: int) -> Tensor:
-        return (self.lens - j * self.C).clamp(0, self.C).to(torch.int32)
+        return (self.lens - self.start(j)).clamp(0, self.chunks[j]).to(torch.int32)
 
     def n_mtp(self, j: int) -> Tensor:
         """Tokens of chunk ``j`` whose NEXT token is known (not a prompt's last)."""
-        return (self.lens - 1 - j * self.C).clamp(0, self.C).to(torch.int32)
+        return (self.lens - 1 - self.start(j)).clamp(0, self.chunks[j]).to(torch.int32)
 
 
 class GenerationLoop:
     """The shared loop; subclasses set ``max_batch_size``, ``max_seq_len``, ``prefill_chunk``,
-    ``vocab_size``, ``spec_steps``, ``speculative``, ``device`` and implement the steps."""
+    ``vocab_size``, ``spec_steps``, ``speculative``, ``device`` and implement the steps (and
+    ``_step_chunks`` for more than one chunk size)."""
 
     speculative: bool = False
 
@@ -135,20 +189,25 @@ class GenerationLoop:
                            spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
 
     # ------------------------------------------------------------------ prefill
+    def _step_chunks(self, bucket: int) -> list[int]:
+        """The chunk sizes a prefill step of ``bucket`` rows may take: the one fixed ``prefill_chunk``."""
+        return [self.prefill_chunk]
+
     def _prepare(self, prompts, bucket: int, rows: list[Tensor] | None = None) -> PreparedBatch:
         rows = rows if rows is not None else check_prompts(prompts, self.max_batch_size, self.max_seq_len,
                                                            self.vocab_size)
-        B, lens, C = len(rows), [len(r) for r in rows], self.prefill_chunk
-        n_chunks = -(-max(lens) // C)
-        ids = torch.zeros(bucket, n_chunks * C, dtype=torch.long)
+        B, lens = len(rows), [len(r) for r in rows]
+        chunks = chunk_schedule(max(lens), self._step_chunks(bucket))
+        ids = torch.zeros(bucket, sum(chunks), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = r
         lens_t = torch.zeros(bucket, dtype=torch.int32)
         lens_t[:B] = torch.tensor(lens, dtype=torch.int32)
         next_ids = None
         if self.speculative:  # the token after each prompt position feeds the MTP window
-            next_ids = chunked(torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1), C).to(self.device)
-        return PreparedBatch(B, bucket, lens, chunked(ids, C).to(self.device), next_ids, lens_t.to(self.device), C)
+            next_ids = chunked(torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1), chunks, self.device)
+        return PreparedBatch(B, bucket, lens, chunked(ids, chunks, self.device), next_ids, lens_t.to(self.device),
+                             tuple(chunks))
 
     def _prefill_batch(self, batch: PreparedBatch) -> Tensor:
         """Run every chunk; each row's logits come from the last chunk it had tokens in."""

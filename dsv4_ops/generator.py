@@ -3,11 +3,12 @@
 The model owns the KV pool (``model.setup_caches``); the generator owns each row's length (a
 device tensor) and calls the model's cached step, ``torch.compile(model, fullgraph=True)``
 when ``compile=True`` (on CUDA replayed as CUDA graphs, Inductor's cudagraph trees). Shapes are
-frozen per batch bucket (1, 2, 4, ... max_batch_size): prefill runs chunks of
-``prefill_chunk`` tokens, decode one token per row, so new prompts of any length reuse the
-compiled graphs. Speculative decoding (``spec_steps > 0``) compiles its own step
-(``speculative.py``) the same way, and so is sampling (``sampling.py``): its settings are tensor
-inputs, so new temperatures or top-p values reuse the graphs.
+frozen per batch bucket (1, 2, 4, ... max_batch_size) and, for prefill, per chunk bucket (64, 256,
+1024 or 2048 tokens a row, at most ``max_prefill_tokens`` a step; or one fixed ``prefill_chunk``);
+decode runs one token per row, so new prompts of any length reuse the compiled graphs.
+Speculative decoding (``spec_steps > 0``) compiles its own step (``speculative.py``) the same way,
+and so is sampling (``sampling.py``): its settings are tensor inputs, so new temperatures or top-p
+values reuse the graphs.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from torch import Tensor
 
 from . import cudagraph_replays, sampling
 from .compiled_steps import CompiledSteps, batch_buckets, compile_step
-from .generation_loop import GenerationLoop, PreparedBatch, check_int, pad_rows
+from .generation_loop import (DEFAULT_MAX_PREFILL_TOKENS, GenerationLoop, PreparedBatch, check_int, chunk_buckets,
+                              chunks_within, pad_rows)
 from .sampling import SamplingParams
 from .speculative import SpecDecoding
 
@@ -39,7 +41,19 @@ class Generator(GenerationLoop):
         spec_steps: MTP draft tokens per step (0 = plain decode).
         compile: ``torch.compile(fullgraph=True)`` the model's step (a bool).
         cuda_graphs: replay the compiled steps as CUDA graphs (None = on when compiling a CUDA model).
-        prefill_chunk: tokens per prefill step (long prompts run in several steps).
+        prefill_chunk: tokens per row per prefill step. None (the default): chunk buckets, the
+            chunk sizes ``64, 256, 1024, 2048`` (each capped at ``max_seq_len``), one compiled
+            graph per (batch bucket, chunk bucket) used; every step takes the smallest chunk that
+            holds the longest remaining part of any row, capped by ``max_prefill_tokens`` (a
+            4096-token prompt runs as 2048 + 2048, 3000 as 2048 + 1024, 100 as one 256-token
+            step). An int: that one chunk for every step (long prompts run in several steps; one
+            graph per batch bucket), as before chunk buckets existed.
+        max_prefill_tokens: the most tokens (``batch bucket x chunk``, padding included) a prefill
+            step of chunk buckets runs: a step of ``b`` rows takes only chunk buckets with
+            ``b * chunk <= max_prefill_tokens`` (when even 64 is too large, the one chunk
+            ``max_prefill_tokens // b``, at least one token a row). None = 8192 (buckets of 1 to 4
+            rows take 2048-token chunks, 8 rows 1024, 16 and 32 rows 256, 64 and 128 rows 64). Only
+            with ``prefill_chunk=None``: a fixed chunk runs ``b x prefill_chunk`` tokens a step.
         kv_cache_dtype: what the KV pool stores: ``"auto"`` (the model's dtype), ``"bf16"`` or
             ``"fp8"`` (FlashMLA's FP8 V4 layout; ``model.setup_caches``).
         pdl: programmatic dependent launch between the compiled steps' Inductor kernels
@@ -54,12 +68,20 @@ class Generator(GenerationLoop):
     """
 
     def __init__(self, model, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-                 compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int = 64,
-                 kv_cache_dtype: str = "auto", pdl: bool = False, _draft: str = "mtp") -> None:
+                 compile: bool = True, cuda_graphs: bool | None = None, prefill_chunk: int | None = None,
+                 kv_cache_dtype: str = "auto", pdl: bool = False, max_prefill_tokens: int | None = None,
+                 _draft: str = "mtp", _chunk_buckets: Sequence[int] | None = None) -> None:
         check_int("spec_steps", spec_steps, 0)
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
-        check_int("prefill_chunk", prefill_chunk, 1)
+        if prefill_chunk is not None:
+            check_int("prefill_chunk", prefill_chunk, 1)
+            if max_prefill_tokens is not None:
+                raise ValueError(f"max_prefill_tokens={max_prefill_tokens!r} bounds the steps of chunk buckets "
+                                 f"(prefill_chunk=None); with prefill_chunk={prefill_chunk} every prefill step "
+                                 "runs batch bucket x prefill_chunk tokens: pass one or the other")
+        if max_prefill_tokens is not None:
+            check_int("max_prefill_tokens", max_prefill_tokens, 1)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
@@ -74,6 +96,11 @@ class Generator(GenerationLoop):
         self.device = model.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.prefill_chunk = prefill_chunk
+        if prefill_chunk is None:  # tests pass smaller _chunk_buckets, to span them with short prompts
+            self.chunk_buckets = sorted(_chunk_buckets) if _chunk_buckets else chunk_buckets(max_seq_len)
+            self.max_prefill_tokens = DEFAULT_MAX_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens
+        else:
+            self.chunk_buckets, self.max_prefill_tokens = [prefill_chunk], None
         self.spec_steps = spec_steps
         self.speculative = spec_steps > 0
         # a speculative step may write up to spec_steps + 1 positions past a request's last
@@ -91,6 +118,9 @@ class Generator(GenerationLoop):
         self.compiled = compile
         self.pdl = pdl  # Inductor uses it on sm_90+ NVIDIA GPUs; elsewhere the option is a no-op
         self.buckets = batch_buckets(max_batch_size)
+        # the chunk sizes a prefill step of each batch bucket may take
+        self._chunks = {b: self.chunk_buckets if prefill_chunk is not None else
+                        chunks_within(self.chunk_buckets, self.max_prefill_tokens, b) for b in self.buckets}
         # device-side state: a row's only mutable scalar is its length; one static view per bucket
         self.lengths = torch.zeros(max_batch_size, dtype=torch.int32, device=self.device)
         self._lengths = {b: self.lengths[:b] for b in self.buckets}
@@ -123,19 +153,23 @@ class Generator(GenerationLoop):
             return functools.partial(self.spec.spec_step, filtered=filtered)
         return functools.partial(sampling.sample, filtered=filtered)
 
-    def _run(self, kind: str, bucket: int, fn, *args, **kwargs):
-        return self._calls.run((kind, bucket), fn, *args, **kwargs)
+    def _run(self, kind: str, bucket: int, fn, *args, chunk: int | None = None, **kwargs):
+        """``fn(*args, **kwargs)``, its graphs counted under ``(kind, bucket)``, or ``(kind, bucket,
+        chunk)`` for a prefill step of chunk buckets."""
+        key = (kind, bucket) if chunk is None else (kind, bucket, chunk)
+        return self._calls.run(key, fn, *args, **kwargs)
 
     @property
     def _graphs(self) -> dict[tuple, int]:
-        """Graphs compiled per ``(step kind, bucket)``."""
+        """Graphs compiled per ``(step kind, batch bucket)``; a prefill step of chunk buckets
+        (``prefill_chunk=None``) per ``(step kind, batch bucket, chunk)``."""
         return self._calls.graphs
 
-    def _step(self, kind: str, ids: Tensor, n_new: Tensor) -> Tensor:
+    def _step(self, kind: str, ids: Tensor, n_new: Tensor, chunk: int | None = None) -> Tensor:
         """One cached model step over ``ids [bucket, S]``; advances the lengths."""
         bucket = ids.shape[0]
         lengths = self._lengths[bucket]
-        logits = self._run(kind, bucket, self._forward, ids, lengths, n_new, last_only=True)
+        logits = self._run(kind, bucket, self._forward, ids, lengths, n_new, last_only=True, chunk=chunk)
         lengths.add_(n_new)
         return logits
 
@@ -152,11 +186,15 @@ class Generator(GenerationLoop):
         self._decode_n_new = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)
         return self._prefill_batch(batch)
 
+    def _step_chunks(self, bucket: int) -> list[int]:
+        return self._chunks[bucket]
+
     def _prefill_chunk(self, j: int, batch: PreparedBatch) -> Tensor:
+        chunk = None if self.prefill_chunk is not None else batch.chunks[j]  # a fixed chunk keeps its old keys
         if self.spec is None:
-            return self._step("prefill", batch.ids[j], batch.n_new(j))
+            return self._step("prefill", batch.ids[j], batch.n_new(j), chunk=chunk)
         return self._run("spec_prefill", batch.bucket, self._compiled("spec_prefill"), batch.ids[j],
-                         batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
+                         batch.next_ids[j], batch.n_new(j), batch.n_mtp(j), chunk=chunk)
 
     def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B, bucket = len(self._host_lengths), self._bucket
