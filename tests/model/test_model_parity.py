@@ -151,10 +151,10 @@ def test_generator_ragged_batch_long_decode_matches_hf(tiny: Setup, device, tol)
         assert max(rel(got[s], want[s]) for s in range(len(p))) <= bound, len(p)
 
 
-@pytest.mark.parametrize("prefill_chunk", [16, 7])
-def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int, device, tol) -> None:
-    """``prefill_chunk`` smaller than the prompts: same logits as HF's one-shot prefill, and the
-    cache it leaves decodes identically."""
+@pytest.mark.parametrize("prefill_chunk", [16, 7, None])
+def test_chunked_prefill_matches_hf(tiny: Setup, prefill_chunk: int | None, device, tol) -> None:
+    """``prefill_chunk`` smaller than the prompts, or None (chunk buckets, the default: here one
+    64-token step): same logits as HF's one-shot prefill, and the cache it leaves decodes identically."""
     prompts = random_prompts([45, 1, 16, 33], tiny.cfg.vocab_size, seed=3)
     tokens = random_prompts([24] * 4, tiny.cfg.vocab_size, seed=4)
     worst = check_generator_vs_hf(tiny, prompts, 24, tokens, device, prefill_chunk=prefill_chunk, max_seq_len=96,

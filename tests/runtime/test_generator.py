@@ -208,6 +208,16 @@ def test_rejected_decode_does_not_advance_the_state(model) -> None:
 def test_constructor_rejects_bad_arguments(model) -> None:
     with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1, got 0"):
         Generator(model, compile=False, prefill_chunk=0)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1, got -64"):
+        Generator(model, compile=False, prefill_chunk=-64)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1, got 64.0"):
+        Generator(model, compile=False, prefill_chunk=64.0)
+    for bad in (0, -1, 8192.0, "8192", True):
+        with pytest.raises(ValueError, match=f"max_prefill_tokens must be an int >= 1, got {bad!r}"):
+            Generator(model, compile=False, max_prefill_tokens=bad)
+    with pytest.raises(ValueError, match="max_prefill_tokens=4096 bounds the steps of chunk buckets .* "
+                                         "prefill_chunk=64 .* pass one or the other"):
+        Generator(model, compile=False, prefill_chunk=64, max_prefill_tokens=4096)
     with pytest.raises(ValueError, match="max_batch_size must be an int >= 1"):
         Generator(model, max_batch_size=0, compile=False)
     with pytest.raises(ValueError, match="max_seq_len must be an int >= 1"):
