@@ -279,13 +279,14 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
         f"({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
     prefills = [prefill]
     for other_chunk in args.extra_prefill_chunks if mode != "aoti" else ():
-        other = Generator(model, max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=other_chunk,
-                          kv_cache_dtype=kv_cache_dtype, **MODES[mode])
+        other = Generator(model, max_batch_size=batch, max_seq_len=max_seq_len, prefill_chunk=other_chunk or None,
+                          kv_cache_dtype=kv_cache_dtype, **MODES[mode])  # 0: the default chunk buckets
         first = first_call_s(lambda: other.prefill(p), dev)
         t = time_call(lambda: other.prefill(p), dev, warmup=1, iters=args.prefill_samples, sync_each=True)
         prefills.append(dict(prefill, chunk=other_chunk, ms=t.ms, samples=t.samples, method=t.method,
                              tokens_per_s=batch * prompt_len / t.ms * 1e3, first_call_s=first))
-        log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {other_chunk}): {prefills[-1]['tokens_per_s']:.0f} "
+        name = other_chunk or "buckets"
+        log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {name}): {prefills[-1]['tokens_per_s']:.0f} "
             f"tok/s ({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
         del other
     rows = []
@@ -389,7 +390,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prefill prompt tokens at batch 1 (a quarter of it per row at batch > 1; default 4096)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: 512 at batch 1, else 64")
     ap.add_argument("--extra-prefill-chunks", type=int, nargs="*", default=[],
-                    help="also time the prefill with these chunk sizes (a Generator each; e.g. 64, the default's)")
+                    help="also time the prefill with these chunk sizes (a Generator each; 0 = the default, "
+                         "chunk buckets; e.g. 0 64)")
     ap.add_argument("--prefill-samples", type=int, default=None, help="timed prefill calls (default 5; smoke 2)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="decode calls after the first (compiling) one, untimed (default 5; smoke 1)")
