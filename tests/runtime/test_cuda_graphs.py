@@ -61,3 +61,38 @@ def test_speculative_step_replays_as_one_cuda_graph(k):
     assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
     assert gen.stats["cuda_graph_replays"] >= 64
     assert out == want
+
+
+@pytest.mark.parametrize("spec_steps", [0, 2])
+def test_chunk_buckets_replay_for_new_prompt_lengths_and_give_the_eager_tokens(spec_steps):
+    """The default prefill, chunk buckets (here 8 / 32 / 128), replayed as CUDA graphs: once each
+    chunk bucket has run, prompts of new lengths compile nothing and skip no graph, and plain and
+    speculative decoding give the eager tokens of a fixed 32-token chunk."""
+    from torch._dynamo.utils import counters
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8)
+    model = random_model(cfg, dtype=torch.float32, device="cuda")
+    kw = dict(max_batch_size=4, max_seq_len=192)
+    # 3 prompts a batch (bucket 4); the longest decides each step's chunk
+    warm = [[[3, 1, 4, 1, 5], [7] * 2, [9]],  # 8
+            [list(range(20)), [2] * 3, [1]],  # 32
+            [list(range(150)), [7] * 17, [4, 4]]]  # 128 + 32
+    others = [[[6] * 7, [1, 2], [5]],  # 8
+              [list(range(60, 0, -1)), [8] * 30, [3]],  # 128
+              [[5, 4, 3, 2, 1] * 28, [9] * 60, [2] * 9]]  # 140: 128 + 32
+    eager = Generator(model, compile=False, prefill_chunk=32, **kw)
+    want = [eager.generate(p, max_new_tokens=8) for p in warm + others]
+
+    gen = Generator(model, compile=True, cuda_graphs=True, spec_steps=spec_steps, _chunk_buckets=(8, 32, 128), **kw)
+    counters.clear()
+    got = [gen.generate(p, max_new_tokens=8) for p in warm]  # compile + record
+    graphs = dict(gen._graphs)
+    kind = "spec_prefill" if spec_steps else "prefill"
+    assert {key for key in graphs if key[0] == kind} == {(kind, 4, 8), (kind, 4, 32), (kind, 4, 128)}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got += [gen.generate(p, max_new_tokens=8) for p in others]
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
+    assert gen.stats["cuda_graph_replays"] > 0
+    assert got == want
