@@ -275,7 +275,9 @@ class Attention(nn.Module):
         is_fp8 = fp8.is_fp8_cache(state.window)  # static: the state's layout
         sim = self.quant_sim and not is_fp8
         rope = self.cfg.rope_head_dim
-        cmp = kv.new_zeros(B, 0, self.head_dim)
+        # a layer without a pool attends over an empty one of the window's dtype (the kernels take
+        # one dtype for both; an FP8 window pairs with an empty pool in the model's dtype)
+        cmp = kv.new_zeros(B, 0, self.head_dim, dtype=kv.dtype if is_fp8 else state.window.dtype)
         cmp_idx = torch.full((B, S, 0), -1, dtype=torch.int32, device=x.device)
         cmp_len = torch.zeros(B, S, dtype=torch.int32, device=x.device)
         if c is not None:

@@ -30,6 +30,8 @@ def _sparse_attention(
     torch._check(kv8 or kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
     torch._check(cmp8 or cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     torch._check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
+    torch._check(kv8 or cmp8 or kv.dtype == cmp.dtype,
+                 lambda: f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
     if use_triton(q) and sm90.applies(q, kv, kv_idx, cmp, cmp_idx, cmp_len):
         return torch.ops.dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
     if use_triton(q):
