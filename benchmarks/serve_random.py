@@ -68,13 +68,11 @@ def build(args: argparse.Namespace):
                  prefix_cache=not args.no_prefix_cache, compile=not args.smoke, kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(0)
     name = "tiny" if args.smoke else args.config
-    hi = args.max_seq_len // 8
-    warm = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))] for _ in range(args.max_running)]
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.step_context)]
     n_short, n_long = (4, 12) if args.smoke else (16, 144)
 
     def warmup(eng: Engine) -> None:  # on the engine's thread, which owns its compiled steps and CUDA graphs
-        eng.generate(warm, [rng.randint(2, hi // 4) for _ in warm])  # every decode bucket compiles and records
+        print(f"warm-up: {eng.warm_up()}", flush=True)  # every step shape compiles and records
         ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
                             device, n_short, n_long)
         print(f"engine decode step b1 x {len(prompt)}: {ms:.3f} ms", flush=True)

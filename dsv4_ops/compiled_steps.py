@@ -43,13 +43,16 @@ def compile_step(fn, cuda_graphs: bool, pdl: bool = False):
 class CompiledSteps:
     """Runs step functions and adds to ``stats`` (a dict with ``graph_breaks``, ``recompiles``,
     ``compile_time_s``, ``cuda_graph_replays``). ``graphs[key]`` counts the graphs compiled per key;
-    ``recompiles`` is every graph past a key's first."""
+    ``recompiles`` is every graph past a key's first; ``keys`` is every key run so far (compiled
+    or not: the shapes a warm-up has covered)."""
 
     def __init__(self, stats: dict, compiled: bool, cuda_graphs: bool, device: torch.device) -> None:
         self.stats, self.compiled, self.cuda_graphs, self.device = stats, compiled, cuda_graphs, device
         self.graphs: dict[tuple, int] = {}
+        self.keys: set[tuple] = set()
 
     def run(self, key: tuple, fn, *args, **kwargs):
+        self.keys.add(key)
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]
         breaks_before = sum(counters["graph_break"].values())

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 __all__ = ["add_arguments", "build", "run"]
@@ -66,8 +67,8 @@ def build(args):
         raise UsageError(str(e)) from None
     eos = eos_ids(path, tokenizer)
 
-    def warmup(eng) -> None:  # one request through prefill and decode: compiles the first graphs
-        eng.generate([tokenizer.encode("Hello")[:1] or [0]], max_new_tokens=2)
+    def warmup(eng) -> None:  # every step shape: no request waits for a compile once /health says ok
+        print(f"warm-up: {eng.warm_up()}", file=sys.stderr, flush=True)
 
     worker = EngineThread(engine, max_waiting=args.max_waiting).start(warmup)
     name = args.served_model_name or ("tiny" if args.config else Path(path).name)
@@ -75,8 +76,6 @@ def build(args):
 
 
 def run(args) -> int:
-    import sys
-
     from ..text.generate_cli import UsageError
     from .server import serve_forever
 

@@ -328,6 +328,21 @@ class Engine:
                     got[out.request_id] += out.new_token_ids
         return [got[rid] for rid in ids]
 
+    def warm_up(self) -> dict:
+        """Run every step shape the engine can take once, so that no request later waits for a compile
+        or a CUDA-graph recording: for each decode bucket ``b``, ``b`` short requests at once (slots
+        ``0..b-1``; their prefill covers the prefill buckets), greedy, sampled, and sampled with top-p.
+        Returns ``{"keys": step shapes run, "compile_time_s": ..., "seconds": ...}``. A server calls it
+        before it reports ready; the requests leave no pages, slots or cached prefixes behind."""
+        t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
+        sampling = (dict(), dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0))
+        for b in self.decode_buckets:
+            prompts = [[(2 * i + j) % self.vocab_size for j in range(2)] for i in range(b)]
+            for kw in sampling:
+                self.generate(prompts, max_new_tokens=2, **kw)
+        return dict(keys=len(self._calls.keys), compile_time_s=self._stats["compile_time_s"] - compile_before,
+                    seconds=time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ admission and pages
     def _admit(self) -> None:
         while self._waiting and None in self._slots:

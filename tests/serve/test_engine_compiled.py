@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from engine_cases import CHUNK, engine, random_prompts, run_arriving, tiny_model
+from engine_cases import CHUNK, engine, random_prompts, run_arriving, text_prompts, tiny_model, trained_model
 
 
 @pytest.mark.parametrize("spec_steps", [0, 1])
@@ -26,6 +26,34 @@ def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps(spec
     want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20, spec_steps=spec_steps),
                         reqs, random.Random(0))
     assert [got[i][0] for i in range(len(reqs))] == [want[i][0] for i in range(len(reqs))]
+
+
+@pytest.mark.parametrize("spec_steps", [0, 1])
+def test_warm_up_runs_every_step_shape_a_load_can_take(spec_steps):
+    """``warm_up`` runs each (step kind, bucket, filtered) once, so a server that warms up before it
+    reports ready never compiles or records a graph while it serves: a load of 1 to 8 requests at
+    once, greedy, sampled and top-p sampled, runs only shapes the warm-up ran, and the warm-up
+    leaves no pages, slots or cached prefixes behind."""
+    model = trained_model() if spec_steps else tiny_model(3)
+    eng = engine(model, max_running=8, max_prefill_tokens=2 * CHUNK, num_pages=60, spec_steps=spec_steps)
+    initial = {k: eng.stats[k] for k in ("pages_free", "pages_cached", "running", "waiting")}
+    info = eng.warm_up()
+    warmed = set(eng._calls.keys)
+    decode = {("decode", b, False) for b in (1, 2, 4, 8)}
+    decode |= ({("decode_sample", b, f) for b in (1, 2, 4, 8) for f in (False, True)} if spec_steps else
+               {("decode", b, True) for b in (1, 2, 4, 8)})
+    assert warmed == decode | {("prefill", b, f) for b in (1, 2) for f in (False, True)}
+    assert info["keys"] == len(warmed) and {k: eng.stats[k] for k in initial} == initial
+
+    rng = random.Random(8)
+    sampling = [dict(), dict(temperature=0.9, seed=1), dict(temperature=0.7, top_p=0.8, top_k=20, seed=2)]
+    prompts = text_prompts(rng, 20, (1, 70)) if spec_steps else random_prompts(rng, 20, (1, 70))
+    reqs = [dict(prompt_ids=p, max_new_tokens=rng.randint(4, 16), **sampling[i % 3]) for i, p in enumerate(prompts)]
+    eng._calls.keys.clear()
+    eng.generate([r["prompt_ids"] for r in reqs[:8]], 12)  # 8 at once: the largest bucket
+    run_arriving(eng, reqs, rng)
+    assert ("decode", 8, False) in eng._calls.keys and len(eng._calls.keys) >= 6
+    assert eng._calls.keys <= warmed
 
 
 @pytest.mark.gpu
