@@ -120,10 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    reqs = workload(args, random.Random(0))
     rows = []
-    for c in args.concurrency:
-        row = asyncio.run(run_load(args, reqs, c))
+    for i, c in enumerate(args.concurrency):
+        # each level its own prompts: a server with a prefix cache would otherwise serve a level from the last one's
+        row = asyncio.run(run_load(args, workload(args, random.Random(i)), c))
         rows.append(row)
         print(f"concurrency {c}: {row['request_throughput']:.2f} req/s, {row['output_throughput']:.0f} tok/s, TTFT p50 "
               f"{row['ttft_p50_ms']:.1f} ms p99 {row['ttft_p99_ms']:.1f} ms, TPOT p50 {row['tpot_p50_ms']:.2f} ms, "

@@ -327,8 +327,8 @@ def test_bench_serve_measures_a_random_and_a_shared_prefix_load(server, tmp_path
             assert r["failed"] == 0 and r["output_throughput"] > 0
             assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms"))
             assert r["ttft_p99_ms"] >= r["ttft_p50_ms"]
-        if workload == "shared-prefix":  # 70 shared tokens: two full 32-position pages from the cache
-            assert rows[-1]["mean_cached_tokens"] >= 64 * 7 / 8
+        if workload == "shared-prefix":  # 70 shared tokens: at concurrency 1, all but the first of the level's
+            assert rows[0]["mean_cached_tokens"] >= 64 * 7 / 8  # requests take two full 32-position pages cached
 
 
 def test_serve_random_serves_a_random_weight_model_to_bench_serve(tmp_path):
