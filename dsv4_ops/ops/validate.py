@@ -6,8 +6,16 @@ shapes, so they also run while ``torch.compile`` traces a wrapper. Value checks 
 device data and sync the host, so they run only in eager mode on real tensors
 (:func:`reads_values`); they keep out-of-range indices from ever reaching a kernel.
 All checks raise ``ValueError``.
+
+What an eager call pays (#47): the metadata checks run once per signature -- shapes, dtypes
+and devices of the tensors, the other arguments' values -- since they read nothing else
+(:func:`once_per_signature`); the value checks of one call are computed on the device and read
+back together, one host read a call (:func:`run_value_checks`), and only a failed check runs
+its detailed form, which finds the offending element for the message.
 """
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -88,6 +96,40 @@ def entries(t: Tensor) -> int:
     return t.shape[1] * t.shape[2] if t.dtype == torch.uint8 and t.dim() == 4 else t.shape[1]
 
 
+# ---- metadata checks: once per signature ------------------------------------------------
+# Signatures whose metadata checks passed, of every op (the check function is part of the key).
+# Bounded: a process that sees ever new shapes (prefill lengths) clears it and checks again.
+_passed_signatures: set = set()
+MAX_SIGNATURES = 4096
+
+
+def _signature(a) -> object:
+    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else a
+
+
+def once_per_signature(check: Callable[..., None], *args) -> None:
+    """``check(*args)``, unless it passed before for arguments of the same signature: the tensors'
+    shapes, dtypes and devices, the other arguments' values. ``check`` must read nothing else.
+
+    While ``torch.compile`` traces, the check always runs (it costs nothing at run time, and a
+    lookup would make the graph guard on this cache); so does a call whose signature cannot be
+    hashed (symbolic shapes)."""
+    if torch.compiler.is_compiling():
+        check(*args)
+        return
+    try:
+        key = (check, *map(_signature, args))
+        if key in _passed_signatures:
+            return
+    except TypeError:  # an unhashable SymInt in a shape
+        check(*args)
+        return
+    check(*args)
+    if len(_passed_signatures) >= MAX_SIGNATURES:
+        _passed_signatures.clear()
+    _passed_signatures.add(key)
+
+
 # ---- value checks: eager only ---------------------------------------------------------
 def reads_values(*tensors: Tensor) -> bool:
     """True when value checks may read these tensors: eager, real data, not capturing."""
@@ -140,3 +182,45 @@ def distinct_per_row(op: str, name: str, idx: Tensor) -> None:
     if bool(dup.any()):
         b, j = _first(dup)
         fail(op, f"{name}[{b}] holds index {int(s[b, j])} twice; the indices of one row must be distinct")
+
+
+# ---- value checks of one call, one host read ---------------------------------------------
+class ValueCheck(NamedTuple):
+    """One value check: ``bad`` is a 0-d bool tensor on the tensors' device (computed without
+    reading anything back); ``explain`` is the detailed check, which raises the message."""
+
+    bad: Tensor
+    explain: Callable[[], None]
+
+
+def run_value_checks(*checks: ValueCheck) -> None:
+    """Read every ``bad`` flag in one host read (one sync on a GPU, not one per check), then run
+    the detailed check of each flag that is set, which raises."""
+    if not checks:
+        return
+    flags = torch.stack([c.bad for c in checks]).tolist()
+    for flag, c in zip(flags, checks):
+        if flag:
+            c.explain()
+
+
+def in_range_check(op: str, name: str, t: Tensor, lo: int, hi: int, limit: str) -> ValueCheck:
+    """:func:`in_range` as a :class:`ValueCheck`."""
+    return ValueCheck(((t < lo) | (t > hi)).any(), lambda: in_range(op, name, t, lo, hi, limit))
+
+
+def index_range_check(op: str, name: str, idx: Tensor, n: int, what: str) -> ValueCheck:
+    """:func:`index_range` as a :class:`ValueCheck`."""
+    return ValueCheck(((idx < -1) | (idx > n - 1)).any(), lambda: index_range(op, name, idx, n, what))
+
+
+def distinct_per_row_check(op: str, name: str, idx: Tensor) -> ValueCheck:
+    """:func:`distinct_per_row` as a :class:`ValueCheck`."""
+    s = idx.sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    return ValueCheck(dup.any(), lambda: distinct_per_row(op, name, idx))
+
+
+def none_of_check(op: str, bad: Tensor, message) -> ValueCheck:
+    """:func:`none_of` as a :class:`ValueCheck`."""
+    return ValueCheck(bad.any(), lambda: none_of(op, bad, message))
