@@ -2,8 +2,9 @@
 runs its metadata checks once per signature (shapes, dtypes, devices, static ints) and still
 rejects bad values on a signature it has seen; its value checks read the host once a call (none
 for the ops without value checks); the raw ``torch.ops.dsv4`` ops, what the model calls, read
-nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``). Also a
-smoke run of benchmarks/bench_op_overhead.py."""
+nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``); launch
+configurations are memoised, each call getting its own dict. Also a smoke run of
+benchmarks/bench_op_overhead.py."""
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import torch
 
 import dsv4_ops
 from dsv4_ops import ops
+from dsv4_ops.lowering.triton import sparse_attention as sa
+from dsv4_ops.lowering.triton.launch import cached_config
 from dsv4_ops.ops import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a package at the repo root
@@ -111,6 +114,23 @@ def test_raw_op_never_syncs_on_cuda(op):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_launch_configs_are_memoised_and_each_call_gets_its_own_dict():
+    first = sa.attention_config(1, 1, 64, 512, 640, 132, None, "cuda", torch.bfloat16)
+    first["NUM_SPLITS"] = 99  # what attention_launches does with a num_splits override
+    again = sa.attention_config(1, 1, 64, 512, 640, 132, None, "cuda", torch.bfloat16)
+    assert again["NUM_SPLITS"] != 99 and again is not first
+    assert sa.attention_config.__wrapped__(1, 1, 64, 512, 640, 132, None, "cuda", torch.bfloat16) == again
+    calls = []
+
+    @cached_config
+    def config(n):
+        calls.append(n)
+        return {"n": n}
+
+    assert config(3) == config(3) == {"n": 3} and calls == [3]
+    assert config([4]) == {"n": [4]}  # unhashable (a SymInt while tracing): computed afresh
 
 
 def test_bench_op_overhead_cpu_smoke(tmp_path):
