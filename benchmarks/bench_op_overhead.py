@@ -13,8 +13,8 @@ Host time: ``--calls`` calls back to back timed with ``time.perf_counter``, medi
 ``--repeats`` runs, after warm-up. On CUDA the device is synchronised before each run and the
 calls are few enough that the launch queue never fills, so the time is the CPU time of the Python
 call; ``gpu_us`` is the device time of one call, timed with CUDA events while the host had queued
-the calls behind a spin kernel (so the GPU never waits for the host). On the CPU everything,
-the reference compute included, is host time.
+the calls behind a spin kernel (so the GPU does not wait for the host, unless a call syncs). On the
+CPU everything, the reference compute included, is host time.
 
 ``--breakdown N`` profiles the N slowest rows with cProfile and splits their time by where it goes
 (validation, host reads, the dispatcher, op-body checks, launch metadata, Triton's launcher,
@@ -143,8 +143,9 @@ def host_us(call: Callable[[], object], device: torch.device, calls: int, repeat
 
 def gpu_us(call: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
     """Device µs per call: the calls are queued behind a spin kernel, so the GPU runs them back to
-    back whatever the host costs (an op that syncs the host waits for the spin first: still its
-    device time, but then the host and device times add up in a loop)."""
+    back whatever the host costs. A call that reads a value back (a wrapper's value checks) waits
+    for the device each time, so the GPU idles while the host works: its number is then about the
+    host and device time added, what such a call costs in a loop."""
     runs = []
     for _ in range(repeats):
         torch.cuda.synchronize(device)
