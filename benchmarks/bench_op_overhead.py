@@ -2,15 +2,17 @@
 
 Every op runs on one decode token of ``DSV4Config.tiny()``'s widths (batch 1, 64 tokens of context),
 so its compute is small and the time is the call's host cost: Python glue, the dispatcher, checks,
-launch metadata, allocations and launches. Two entries per op:
+launch metadata, allocations and launches. Three entries per op:
 
 - ``wrapper``: the public, checked function (``dsv4_ops.ops.<op>``, also ``dsv4_ops.<op>``);
-- ``raw``: the registered op (``torch.ops.dsv4.<op>``), what the model's layers call.
+- ``raw``: the registered op (``torch.ops.dsv4.<op>``), what the model's layers call;
+- ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
 ``route`` is the path the op takes for these inputs (static: device, dtypes, shapes).
 
 Host time: ``--calls`` calls back to back timed with ``time.perf_counter``, median over
-``--repeats`` runs, after warm-up. On CUDA the device is synchronised before each run and the
+``--repeats`` runs, after warm-up, and beside it the process's CPU time (``time.process_time``), which
+other processes on a shared CPU disturb less. On CUDA the device is synchronised before each run and the
 calls are few enough that the launch queue never fills, so the time is the CPU time of the Python
 call; ``gpu_us`` is the device time of one call, timed with CUDA events while the host had queued
 the calls behind a spin kernel (so the GPU does not wait for the host, unless a call syncs). On the
@@ -123,22 +125,35 @@ def route(op: str, args: tuple) -> str:
 
 
 # ---- timing ---------------------------------------------------------------------------------
-def host_us(call: Callable[[], object], device: torch.device, calls: int, repeats: int) -> tuple[float, float]:
-    """Host µs per call over ``repeats`` runs of ``calls`` back-to-back calls: (median, best run).
-    The best run is the one other processes disturbed least (a shared CPU)."""
+def host_us(call: Callable[[], object], device: torch.device, calls: int, repeats: int) -> dict:
+    """Host µs per call over ``repeats`` runs of ``calls`` back-to-back calls: the wall clock's
+    median (``host_us``) and best run (``host_us_best``), and the median CPU time of this process
+    (``cpu_us``), which other processes on a shared CPU disturb much less than the wall clock."""
     for _ in range(max(5, calls // 10)):
         call()
-    runs = []
+    wall, cpu = [], []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # an empty launch queue: the run measures the host alone
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(calls):
             call()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
+        wall.append((time.perf_counter() - t0) / calls * 1e6)
+        cpu.append((time.process_time() - c0) / calls * 1e6)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return statistics.median(runs), min(runs)
+    return dict(host_us=statistics.median(wall), host_us_best=min(wall), cpu_us=statistics.median(cpu))
+
+
+@contextlib.contextmanager
+def op_stubbed(op: str, output):
+    """``torch.ops.dsv4.<op>`` returns ``output`` without running: the wrapper's own cost remains."""
+    packet = getattr(torch.ops.dsv4, op)
+    setattr(torch.ops.dsv4, op, lambda *args: output)
+    try:
+        yield
+    finally:
+        setattr(torch.ops.dsv4, op, packet)
 
 
 def gpu_us(call: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
@@ -254,17 +269,23 @@ def run(args) -> dict:
     rows = []
     for op in args.ops:
         inputs = op_inputs(op, args.batch, dtype, device)
-        entries = {"wrapper": getattr(dsv4, op), "raw": getattr(torch.ops.dsv4, op)}
-        for entry, fn in entries.items():
+        wrapper, raw = getattr(dsv4, op), getattr(torch.ops.dsv4, op)
+        # wrapper: the public call; raw: the op the model calls; checks: the wrapper's own cost
+        # (its checks and glue), with the op stubbed to return its output
+        entries = {"wrapper": (wrapper, contextlib.nullcontext()), "raw": (raw, contextlib.nullcontext()),
+                   "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
+        for entry, (fn, context) in entries.items():
             def call(fn=fn, inputs=inputs):
                 return fn(*inputs)
-            median, best = host_us(call, device, args.calls, args.repeats)
-            row = dict(op=op, entry=entry, route=route(op, inputs), host_us=median, host_us_best=best)
-            if device.type == "cuda":
-                row["gpu_us"] = gpu_us(call, device, args.calls, args.repeats)
+            with context:
+                row = dict(op=op, entry=entry, route=route(op, inputs), **host_us(call, device, args.calls,
+                                                                                  args.repeats))
+                if device.type == "cuda" and entry != "checks":
+                    row["gpu_us"] = gpu_us(call, device, args.calls, args.repeats)
             rows.append(row)
-            print(f"{op:17s} {entry:8s} {row['route']:28s} {median:9.1f} us (best {best:.1f})", file=sys.stderr)
-    for row in sorted(rows, key=lambda r: -r["host_us"])[: args.breakdown]:
+            print(f"{op:17s} {entry:8s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
+                  file=sys.stderr)
+    for row in sorted((r for r in rows if r["entry"] != "checks"), key=lambda r: -r["host_us"])[: args.breakdown]:
         inputs = op_inputs(row["op"], args.batch, dtype, device)
         fn = getattr(dsv4, row["op"]) if row["entry"] == "wrapper" else getattr(torch.ops.dsv4, row["op"])
         row["breakdown"] = breakdown(lambda: fn(*inputs), args.calls)
@@ -277,13 +298,13 @@ def run(args) -> dict:
 
 def table(result: dict) -> str:
     gpu = result["device"].startswith("cuda")
-    head = "| op | entry | route | host µs / call | best run |" + (" GPU µs / call |" if gpu else "")
+    head = "| op | entry | route | host µs / call | best run | CPU time µs / call |" + (" GPU µs / call |" if gpu else "")
     lines = [f"Eager host cost per call: {result['device']} ({result['device_name']}), torch {result['torch']}, "
              f"{result['dtype']}, batch {result['batch']}, tiny widths; median of {result['repeats']} x "
-             f"{result['calls']} calls", "", head, "|---|---|---|---:|---:|" + ("---:|" if gpu else "")]
+             f"{result['calls']} calls", "", head, "|---|---|---|---:|---:|---:|" + ("---:|" if gpu else "")]
     for r in result["rows"]:
-        lines.append(f"| {r['op']} | {r['entry']} | {r['route']} | {r['host_us']:.1f} | {r['host_us_best']:.1f} |"
-                     + (f" {r['gpu_us']:.1f} |" if gpu else ""))
+        lines.append(f"| {r['op']} | {r['entry']} | {r['route']} | {r['host_us']:.1f} | {r['host_us_best']:.1f} | "
+                     f"{r['cpu_us']:.1f} |" + (f" {r['gpu_us']:.1f} |" if "gpu_us" in r else (" – |" if gpu else "")))
     for r in result["rows"]:
         if "breakdown" not in r:
             continue
