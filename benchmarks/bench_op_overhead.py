@@ -265,6 +265,8 @@ def breakdown(call: Callable[[], object], calls: int) -> dict:
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
     for op in args.ops:
@@ -323,6 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="activations (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's intra-op threads (0: torch's default). Tiny ops gain nothing from them, and on a "
+                        "shared CPU their spin-waits swamp the timings")
     p.add_argument("--calls", type=int, default=200, help="calls per timed run")
     p.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     p.add_argument("--breakdown", type=int, default=3, help="profile the N slowest rows (0: none)")

@@ -15,6 +15,7 @@ its detailed form, which finds the offending element for the message.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -186,41 +187,48 @@ def distinct_per_row(op: str, name: str, idx: Tensor) -> None:
 
 # ---- value checks of one call, one host read ---------------------------------------------
 class ValueCheck(NamedTuple):
-    """One value check: ``bad`` is a 0-d bool tensor on the tensors' device (computed without
-    reading anything back); ``explain`` is the detailed check, which raises the message."""
+    """One value check, split so that a call's checks read the host once: ``reads`` are 0-d
+    tensors computed on the tensors' device, ``passes`` judges their values, and ``explain`` is the
+    detailed check, run only when ``passes`` fails, which finds the element and raises."""
 
-    bad: Tensor
+    reads: tuple[Tensor, ...]
+    passes: Callable[[list], bool]
     explain: Callable[[], None]
 
 
 def run_value_checks(*checks: ValueCheck) -> None:
-    """Read every ``bad`` flag in one host read (one sync on a GPU, not one per check), then run
-    the detailed check of each flag that is set, which raises."""
-    if not checks:
-        return
-    flags = torch.stack([c.bad for c in checks]).tolist()
-    for flag, c in zip(flags, checks):
-        if flag:
+    """Read every check's values in one host read (one sync on a GPU, not one or two per check),
+    then run the detailed check, which raises, of the first check that fails."""
+    reads = [t for c in checks for t in c.reads]
+    values = torch.stack(reads).tolist() if reads else []
+    for c in checks:
+        n = len(c.reads)
+        if not c.passes(values[:n]):
             c.explain()
+        values = values[n:]
 
 
 def in_range_check(op: str, name: str, t: Tensor, lo: int, hi: int, limit: str) -> ValueCheck:
-    """:func:`in_range` as a :class:`ValueCheck`."""
-    return ValueCheck(((t < lo) | (t > hi)).any(), lambda: in_range(op, name, t, lo, hi, limit))
+    """:func:`in_range` as a :class:`ValueCheck`: one ``aminmax`` on the device."""
+    explain = functools.partial(in_range, op, name, t, lo, hi, limit)
+    if t.numel() == 0:
+        return ValueCheck((), lambda values: True, explain)
+    return ValueCheck(tuple(t.aminmax()), lambda values: lo <= values[0] and values[1] <= hi, explain)
 
 
 def index_range_check(op: str, name: str, idx: Tensor, n: int, what: str) -> ValueCheck:
     """:func:`index_range` as a :class:`ValueCheck`."""
-    return ValueCheck(((idx < -1) | (idx > n - 1)).any(), lambda: index_range(op, name, idx, n, what))
+    check = in_range_check(op, name, idx, -1, n - 1, what)
+    return check._replace(explain=functools.partial(index_range, op, name, idx, n, what))
 
 
 def distinct_per_row_check(op: str, name: str, idx: Tensor) -> ValueCheck:
     """:func:`distinct_per_row` as a :class:`ValueCheck`."""
     s = idx.sort(dim=-1).values
     dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
-    return ValueCheck(dup.any(), lambda: distinct_per_row(op, name, idx))
+    return ValueCheck((dup.any(),), lambda values: not values[0], functools.partial(distinct_per_row, op, name, idx))
 
 
 def none_of_check(op: str, bad: Tensor, message) -> ValueCheck:
     """:func:`none_of` as a :class:`ValueCheck`."""
-    return ValueCheck(bad.any(), lambda: none_of(op, bad, message))
+    return ValueCheck((bad.any(),), lambda values: not values[0], functools.partial(none_of, op, bad, message))
