@@ -8,7 +8,9 @@ launch metadata, allocations and launches. Three entries per op:
 - ``raw``: the registered op (``torch.ops.dsv4.<op>``), what the model's layers call;
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
-``route`` is the path the op takes for these inputs (static: device, dtypes, shapes).
+``route`` is the path the op takes for these inputs (static: device, dtypes, shapes). Calls run under
+``torch.no_grad()``, as ``Generator``'s eager steps do; ``--grad-mode inference_mode`` also skips the
+custom ops' Python autograd and ADInplaceOrView layers.
 
 Host time: ``--calls`` calls back to back timed with ``time.perf_counter``, median over
 ``--repeats`` runs, after warm-up, and beside it the process's CPU time (``time.process_time``), which
@@ -300,13 +302,14 @@ def run(args) -> dict:
 
 def table(result: dict) -> str:
     gpu = result["device"].startswith("cuda")
-    head = "| op | entry | route | host µs / call | best run | CPU time µs / call |" + (" GPU µs / call |" if gpu else "")
+    head = "| op | entry | route | host µs / call | best run | CPU time µs / call |" + (" GPU µs / call |" * gpu)
     lines = [f"Eager host cost per call: {result['device']} ({result['device_name']}), torch {result['torch']}, "
-             f"{result['dtype']}, batch {result['batch']}, tiny widths; median of {result['repeats']} x "
-             f"{result['calls']} calls", "", head, "|---|---|---|---:|---:|---:|" + ("---:|" if gpu else "")]
+             f"{result['dtype']}, batch {result['batch']}, tiny widths, {result['grad_mode']}; "
+             f"median of {result['repeats']} x {result['calls']} calls", "",
+             head, "|---|---|---|---:|---:|---:|" + "---:|" * gpu]
     for r in result["rows"]:
         lines.append(f"| {r['op']} | {r['entry']} | {r['route']} | {r['host_us']:.1f} | {r['host_us_best']:.1f} | "
-                     f"{r['cpu_us']:.1f} |" + (f" {r['gpu_us']:.1f} |" if "gpu_us" in r else (" – |" if gpu else "")))
+                     f"{r['cpu_us']:.1f} |" + (f" {r['gpu_us']:.1f} |" if "gpu_us" in r else " – |" * gpu))
     for r in result["rows"]:
         if "breakdown" not in r:
             continue
@@ -328,12 +331,18 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch's intra-op threads (0: torch's default). Tiny ops gain nothing from them, and on a "
                         "shared CPU their spin-waits swamp the timings")
+    p.add_argument("--grad-mode", default="no_grad", choices=("no_grad", "inference_mode", "enabled"))
     p.add_argument("--calls", type=int, default=200, help="calls per timed run")
     p.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     p.add_argument("--breakdown", type=int, default=3, help="profile the N slowest rows (0: none)")
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
-    result = run(args)
+    # no_grad: what Generator's eager steps run under; inference_mode also skips the custom ops'
+    # Python autograd and ADInplaceOrView layers
+    grad_mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "enabled": torch.enable_grad}
+    with grad_mode[args.grad_mode]():
+        result = run(args)
+    result["grad_mode"] = args.grad_mode
     print(table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
