@@ -17,7 +17,8 @@
 #           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
 #           serving Engine vs the static Generator (bench_engine.py) with the caches in $CACHES (default "bf16 fp8")
 #                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
-#   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), and the FP8 sparse
+#   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), each op's eager host
+#           cost per call (benchmarks/bench_op_overhead.py -> bench_op_overhead.json), and the FP8 sparse
 #           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
 #   ab      $BASE (another checkout's root, e.g. an older commit's tree): the Flash slice's batch-1 step inside
 #           generate and the attention + indexer grid at 32K, for $BASE and for this tree, in turns ($ROUNDS, default
@@ -133,6 +134,7 @@ for what in "$@"; do
                --out "$OUT/bench_engine_$cache.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
+           python3 benchmarks/bench_op_overhead.py --device cuda --out "$OUT/bench_op_overhead.json" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
              (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { rc=1; tail -5 "$OUT/flashmla_build.log"; }
              python3 benchmarks/bench_flashmla.py --flashmla "$FLASHMLA" --out "$OUT/bench_flashmla.json" || rc=1

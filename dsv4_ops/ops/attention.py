@@ -76,6 +76,18 @@ def sparse_attention(
 
     Returns ``[B, S, H, D]`` in ``q.dtype``, contiguous.
     """
+    v.once_per_signature(_check_arguments, q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
+    if v.reads_values(kv_idx, cmp_idx, cmp_len):
+        op, nc = "sparse_attention", v.entries(cmp)
+        v.run_value_checks(v.index_range_check(op, "kv_idx", kv_idx, v.entries(kv), "kv rows"),
+                           v.index_range_check(op, "cmp_idx", cmp_idx, nc, "cmp entries"),
+                           v.in_range_check(op, "cmp_len", cmp_len, 0, nc, f"cmp entries Nc={nc}"))
+    return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
+
+
+def _check_arguments(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor,
+                     sink: Tensor) -> None:
+    """The metadata checks of :func:`sparse_attention` (ranks, dtypes, matching dims, devices)."""
     op = "sparse_attention"
     v.rank(op, "q", q, "[B, S, H, D]")
     if kv.dtype != torch.uint8:
@@ -110,10 +122,3 @@ def sparse_attention(
         v.dim(op, name, t, 1, S, "S of q")
     v.dim(op, "sink", sink, 0, H, "H of q")
     v.same_device(op, q=q, kv=kv, kv_idx=kv_idx, cmp=cmp, cmp_idx=cmp_idx, cmp_len=cmp_len, sink=sink)
-    if v.reads_values(kv_idx, cmp_idx, cmp_len):
-        nc = v.entries(cmp)
-        v.index_range(op, "kv_idx", kv_idx, v.entries(kv), "kv rows")
-        v.index_range(op, "cmp_idx", cmp_idx, nc, "cmp entries")
-        v.in_range(op, "cmp_len", cmp_len, 0, nc, f"cmp entries Nc={nc}")
-    return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
-

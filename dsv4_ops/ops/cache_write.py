@@ -59,6 +59,16 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     slots outside ``[0, N)`` like ``-1``. This wrapper rejects such slots (and repeated ones,
     whose write order no backend defines) instead.
     """
+    v.once_per_signature(_check_arguments, cache, values, slots)
+    if v.reads_values(slots):
+        op = "cache_write"
+        v.run_value_checks(v.index_range_check(op, "slots", slots, v.entries(cache), "cache rows"),
+                           v.distinct_per_row_check(op, "slots", slots))
+    torch.ops.dsv4.cache_write(cache, values, slots)
+
+
+def _check_arguments(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+    """The metadata checks of :func:`cache_write` (ranks, dtypes, matching dims, devices)."""
     op = "cache_write"
     v.rank(op, "values", values, "[B, S, C]")
     if cache.dtype == torch.uint8:
@@ -75,7 +85,3 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
     v.dim(op, "slots", slots, 0, B, "B of cache")
     v.dim(op, "slots", slots, 1, values.shape[1], "S of values")
     v.same_device(op, cache=cache, values=values, slots=slots)
-    if v.reads_values(slots):
-        v.index_range(op, "slots", slots, v.entries(cache), "cache rows")
-        v.distinct_per_row(op, "slots", slots)
-    torch.ops.dsv4.cache_write(cache, values, slots)

@@ -79,6 +79,19 @@ def compress(
     the table (``m*i >= P``) unrotated; a block that is incomplete or older than the ring
     pools whatever rows its positions map to. This wrapper rejects all of these instead.
     """
+    v.once_per_signature(_check_arguments, ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin,
+                         pool, ratio, overlap)
+    if v.reads_values(start, emit):
+        _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap)
+    torch.ops.dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
+                            overlap, eps)
+
+
+def _check_arguments(
+    ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
+    norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool,
+) -> None:
+    """The metadata checks of :func:`compress` (ranks, dtypes, widths, the FP8 layout, ring size, devices)."""
     op = "compress"
     pool8 = pool.dtype == torch.uint8
     for name, t, layout in (("ring_kv", ring_kv, "[B, R, c*d]"), ("ring_gate", ring_gate, "[B, R, c*d]"),
@@ -132,20 +145,26 @@ def compress(
     v.at_least(op, "ring_kv.shape[1]", R, c * ratio, f"(ring slots R >= {c} * ratio = {c * ratio})")
     v.same_device(op, ring_kv=ring_kv, ring_gate=ring_gate, new_kv=new_kv, new_gate=new_gate, start=start,
                   emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool)
-    if v.reads_values(start, emit):
-        v.index_range(op, "emit", emit, N, "pool entries")
-        v.in_range(op, "start", start, 0, 2**31 - 1, "int32")
-        blk, st = emit.long(), start.long()[:, None]
-        on = blk >= 0
-        v.none_of(op, on & ((blk + 1) * ratio > st + S), lambda at: (
+
+
+def _check_values(ring_kv: Tensor, new_kv: Tensor, start: Tensor, emit: Tensor, cos: Tensor, pool: Tensor,
+                  ratio: int, overlap: bool) -> None:
+    """The value checks of :func:`compress`: every emitted block is in the pool, complete, still in
+    the ring and inside the rope table; one host read (``validate.run_value_checks``)."""
+    op = "compress"
+    N, R, S = v.entries(pool), ring_kv.shape[1], new_kv.shape[1]
+    blk, st = emit.long(), start.long()[:, None]
+    on = blk >= 0
+    oldest = (blk - (1 if overlap else 0)).clamp(min=0) * ratio
+    v.run_value_checks(
+        v.index_range_check(op, "emit", emit, N, "pool entries"),
+        v.in_range_check(op, "start", start, 0, 2**31 - 1, "int32"),
+        v.none_of_check(op, on & ((blk + 1) * ratio > st + S), lambda at: (
             f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} ends at position {(int(blk[at]) + 1) * ratio - 1}, "
-            f"past the new rows (start[{at[0]}] = {int(st[at[0], 0])}, S = {S}): the block is not complete"))
-        oldest = (blk - (1 if overlap else 0)).clamp(min=0) * ratio
-        v.none_of(op, on & (oldest < st - R), lambda at: (
+            f"past the new rows (start[{at[0]}] = {int(st[at[0], 0])}, S = {S}): the block is not complete")),
+        v.none_of_check(op, on & (oldest < st - R), lambda at: (
             f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} needs position {int(oldest[at])}, older than the "
-            f"ring of R={R} slots holds (start[{at[0]}] = {int(st[at[0], 0])})"))
-        v.none_of(op, on & (blk * ratio >= cos.shape[0]), lambda at: (
+            f"ring of R={R} slots holds (start[{at[0]}] = {int(st[at[0], 0])})")),
+        v.none_of_check(op, on & (blk * ratio >= cos.shape[0]), lambda at: (
             f"emit[{at[0]}, {at[1]}] = block {int(blk[at])} is rotated at position {int(blk[at]) * ratio}, "
-            f"beyond the rope table rows P={cos.shape[0]} (cos.shape[0])"))
-    torch.ops.dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
-                            overlap, eps)
+            f"beyond the rope table rows P={cos.shape[0]} (cos.shape[0])")))

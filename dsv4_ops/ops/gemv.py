@@ -62,6 +62,12 @@ def gemv(x: Tensor, weight: Tensor) -> Tensor:
     Returns ``[T, G, N]`` in ``x``'s dtype, accumulated in fp32 and rounded once, as a matmul in
     that dtype returns it (the module docstring says when the Triton GEMV computes it).
     """
+    v.once_per_signature(_check_arguments, x, weight)
+    return torch.ops.dsv4.gemv(x, weight)
+
+
+def _check_arguments(x: Tensor, weight: Tensor) -> None:
+    """The metadata checks of :func:`gemv` (ranks, dtypes, matching dims, devices)."""
     op = "gemv"
     v.rank(op, "x", x, "[T, G, K]")
     v.rank(op, "weight", weight, "[G, N, K]")
@@ -70,4 +76,3 @@ def gemv(x: Tensor, weight: Tensor) -> Tensor:
     v.dim(op, "weight", weight, 0, x.shape[1], "G of x")
     v.dim(op, "weight", weight, 2, x.shape[2], "K of x")
     v.same_device(op, x=x, weight=weight)
-    return torch.ops.dsv4.gemv(x, weight)

@@ -72,6 +72,15 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     ``visible`` to ``[0, N]`` (and ``topk = 0`` gives ``[B, S, 0]``). This wrapper rejects
     such values instead.
     """
+    v.once_per_signature(_check_arguments, q, weights, keys, visible, topk)
+    if v.reads_values(visible):
+        N = v.entries(keys)
+        v.run_value_checks(v.in_range_check("indexer_topk", "visible", visible, 0, N, f"keys entries N={N}"))
+    return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk)
+
+
+def _check_arguments(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> None:
+    """The metadata checks of :func:`indexer_topk` (ranks, dtypes, matching dims, devices, ``topk``)."""
     op = "indexer_topk"
     v.rank(op, "q", q, "[B, S, HI, DI]")
     v.rank(op, "weights", weights, "[B, S, HI]")
@@ -96,8 +105,3 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     v.dim(op, "visible", visible, 1, S, "S of q")
     v.at_least(op, "topk", topk, 1)
     v.same_device(op, q=q, weights=weights, keys=keys, visible=visible)
-    if v.reads_values(visible):
-        N = v.entries(keys)
-        v.in_range(op, "visible", visible, 0, N, f"keys entries N={N}")
-    return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk)
-

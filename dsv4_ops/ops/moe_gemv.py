@@ -76,6 +76,15 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     ``torch.ops.dsv4.moe_gemv`` skips ids outside ``[0, E)`` (zero contribution); this wrapper
     rejects them.
     """
+    v.once_per_signature(_check_arguments, x, indices, weights, w13, w2)
+    if v.reads_values(indices):
+        E = w13.shape[0]
+        v.run_value_checks(v.in_range_check("moe_gemv", "indices", indices, 0, E - 1, f"the experts E={E}"))
+    return torch.ops.dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))
+
+
+def _check_arguments(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> None:
+    """The metadata checks of :func:`moe_gemv` (ranks, dtypes, matching dims, devices)."""
     op = "moe_gemv"
     v.rank(op, "x", x, "[T, D]")
     v.rank(op, "indices", indices, "[T, K]")
@@ -96,6 +105,3 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     v.dim(op, "w2", w2, 1, x.shape[1], "D of x")
     v.dim(op, "w13", w13, 1, 2 * w2.shape[2], "2 * I, I from w2")
     v.same_device(op, x=x, indices=indices, weights=weights, w13=w13, w2=w2)
-    if v.reads_values(indices):
-        v.in_range(op, "indices", indices, 0, w13.shape[0] - 1, f"the experts E={w13.shape[0]}")
-    return torch.ops.dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))

@@ -82,6 +82,24 @@ def plan(
     The raw op ``torch.ops.dsv4.plan`` checks shapes only; on every backend it counts negative
     ``lengths`` / ``n_new`` as 0. This wrapper rejects them (and every other bad value) instead.
     """
+    v.once_per_signature(_check_arguments, lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
+                         csa_ratio, csa_ring, hca_ratio, hca_ring)
+    if v.reads_values(lengths, n_new):
+        op = "plan"
+        last = lengths.long() + steps * n_new.long()
+        v.run_value_checks(v.in_range_check(op, "n_new", n_new, 0, num_tokens, f"num_tokens={num_tokens}"),
+                           v.in_range_check(op, "lengths", lengths, 0, 2**31 - 1, "int32"),
+                           v.in_range_check(op, "lengths + steps * n_new", last, 0, 2**31 - 1,
+                                            "the int32 position range"))
+    return Plan(*torch.ops.dsv4.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
+                                     csa_ratio, csa_ring, hca_ratio, hca_ring))
+
+
+def _check_arguments(
+    lengths: Tensor, n_new: Tensor, num_tokens: int, steps: int, window: int, win_ring: int, win_concat: bool,
+    csa_ratio: int, csa_ring: int, hca_ratio: int, hca_ring: int,
+) -> None:
+    """The metadata checks of :func:`plan` (ranks, dtypes, devices, the static sizes)."""
     op = "plan"
     v.rank(op, "lengths", lengths, "[B]")
     v.rank(op, "n_new", n_new, "[B]")
@@ -101,10 +119,3 @@ def plan(
                    f"(ring mode: window + num_tokens - 1 = {window} + {num_tokens} - 1)")
     v.at_least(op, "csa_ring", csa_ring, 2 * csa_ratio, f"(2 * csa_ratio = 2 * {csa_ratio})")
     v.at_least(op, "hca_ring", hca_ring, hca_ratio, f"(hca_ratio = {hca_ratio})")
-    if v.reads_values(lengths, n_new):
-        v.in_range(op, "n_new", n_new, 0, num_tokens, f"num_tokens={num_tokens}")
-        v.in_range(op, "lengths", lengths, 0, 2**31 - 1, "int32")
-        last = lengths.long() + steps * n_new.long()
-        v.in_range(op, "lengths + steps * n_new", last, 0, 2**31 - 1, "the int32 position range")
-    return Plan(*torch.ops.dsv4.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
-                                     csa_ratio, csa_ring, hca_ratio, hca_ring))

@@ -35,9 +35,14 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
 
     Returns fp32 ``[..., N, N]``, contiguous. On CUDA one Triton launch runs the whole loop.
     """
+    v.once_per_signature(_check_arguments, comb, iters)
+    return torch.ops.dsv4.sinkhorn(comb, iters, float(eps))
+
+
+def _check_arguments(comb: Tensor, iters: int) -> None:
+    """The metadata checks of :func:`sinkhorn` (square matrices, a float dtype, ``iters``)."""
     op = "sinkhorn"
     if comb.dim() < 2 or comb.shape[-1] != comb.shape[-2]:
         v.fail(op, f"comb must be [..., N, N] (square matrices), got shape {tuple(comb.shape)}")
     v.floating(op, "comb", comb)
     v.at_least(op, "iters", iters, 1)
-    return torch.ops.dsv4.sinkhorn(comb, iters, float(eps))

@@ -6,8 +6,17 @@ shapes, so they also run while ``torch.compile`` traces a wrapper. Value checks 
 device data and sync the host, so they run only in eager mode on real tensors
 (:func:`reads_values`); they keep out-of-range indices from ever reaching a kernel.
 All checks raise ``ValueError``.
+
+What an eager call pays (#47): the metadata checks run once per signature -- shapes, dtypes
+and devices of the tensors, the other arguments' values -- since they read nothing else
+(:func:`once_per_signature`); the value checks of one call are computed on the device and read
+back together, one host read a call (:func:`run_value_checks`), and only a failed check runs
+its detailed form, which finds the offending element for the message.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -88,6 +97,40 @@ def entries(t: Tensor) -> int:
     return t.shape[1] * t.shape[2] if t.dtype == torch.uint8 and t.dim() == 4 else t.shape[1]
 
 
+# ---- metadata checks: once per signature ------------------------------------------------
+# Signatures whose metadata checks passed, of every op (the check function is part of the key).
+# Bounded: a process that sees ever new shapes (prefill lengths) clears it and checks again.
+_passed_signatures: set = set()
+MAX_SIGNATURES = 4096
+
+
+def _signature(a) -> object:
+    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else a
+
+
+def once_per_signature(check: Callable[..., None], *args) -> None:
+    """``check(*args)``, unless it passed before for arguments of the same signature: the tensors'
+    shapes, dtypes and devices, the other arguments' values. ``check`` must read nothing else.
+
+    While ``torch.compile`` traces, the check always runs (it costs nothing at run time, and a
+    lookup would make the graph guard on this cache); so does a call whose signature cannot be
+    hashed (symbolic shapes)."""
+    if torch.compiler.is_compiling():
+        check(*args)
+        return
+    try:
+        key = (check, *map(_signature, args))
+        if key in _passed_signatures:
+            return
+    except TypeError:  # an unhashable SymInt in a shape
+        check(*args)
+        return
+    check(*args)
+    if len(_passed_signatures) >= MAX_SIGNATURES:
+        _passed_signatures.clear()
+    _passed_signatures.add(key)
+
+
 # ---- value checks: eager only ---------------------------------------------------------
 def reads_values(*tensors: Tensor) -> bool:
     """True when value checks may read these tensors: eager, real data, not capturing."""
@@ -140,3 +183,52 @@ def distinct_per_row(op: str, name: str, idx: Tensor) -> None:
     if bool(dup.any()):
         b, j = _first(dup)
         fail(op, f"{name}[{b}] holds index {int(s[b, j])} twice; the indices of one row must be distinct")
+
+
+# ---- value checks of one call, one host read ---------------------------------------------
+class ValueCheck(NamedTuple):
+    """One value check, split so that a call's checks read the host once: ``reads`` are 0-d
+    tensors computed on the tensors' device, ``passes`` judges their values, and ``explain`` is the
+    detailed check, run only when ``passes`` fails, which finds the element and raises."""
+
+    reads: tuple[Tensor, ...]
+    passes: Callable[[list], bool]
+    explain: Callable[[], None]
+
+
+def run_value_checks(*checks: ValueCheck) -> None:
+    """Read every check's values in one host read (one sync on a GPU, not one or two per check),
+    then run the detailed check, which raises, of the first check that fails."""
+    reads = [t for c in checks for t in c.reads]
+    values = torch.stack(reads).tolist() if reads else []
+    for c in checks:
+        n = len(c.reads)
+        if not c.passes(values[:n]):
+            c.explain()
+        values = values[n:]
+
+
+def in_range_check(op: str, name: str, t: Tensor, lo: int, hi: int, limit: str) -> ValueCheck:
+    """:func:`in_range` as a :class:`ValueCheck`: one ``aminmax`` on the device."""
+    explain = functools.partial(in_range, op, name, t, lo, hi, limit)
+    if t.numel() == 0:
+        return ValueCheck((), lambda values: True, explain)
+    return ValueCheck(tuple(t.aminmax()), lambda values: lo <= values[0] and values[1] <= hi, explain)
+
+
+def index_range_check(op: str, name: str, idx: Tensor, n: int, what: str) -> ValueCheck:
+    """:func:`index_range` as a :class:`ValueCheck`."""
+    check = in_range_check(op, name, idx, -1, n - 1, what)
+    return check._replace(explain=functools.partial(index_range, op, name, idx, n, what))
+
+
+def distinct_per_row_check(op: str, name: str, idx: Tensor) -> ValueCheck:
+    """:func:`distinct_per_row` as a :class:`ValueCheck`."""
+    s = idx.sort(dim=-1).values
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
+    return ValueCheck((dup.any(),), lambda values: not values[0], functools.partial(distinct_per_row, op, name, idx))
+
+
+def none_of_check(op: str, bad: Tensor, message) -> ValueCheck:
+    """:func:`none_of` as a :class:`ValueCheck`."""
+    return ValueCheck((bad.any(),), lambda values: not values[0], functools.partial(none_of, op, bad, message))

@@ -8,7 +8,8 @@ raw launchers here launch them directly with :func:`launch`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -35,8 +36,31 @@ def sm_count(device: torch.device) -> int:
     """Multiprocessors of a GPU device (static: read from the device properties, not
     from data); 132 (H100/H200) on a device without properties, e.g. the interpreter."""
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    # read once per device: get_device_properties costs microseconds on every eager launch
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cached_config(config: Callable[..., dict]) -> Callable[..., dict]:
+    """Memoise a launch-configuration function (a pure function of ints, strings and dtypes)
+    for eager calls, which otherwise recompute it on every launch; each call gets its own copy
+    of the dict. An argument that cannot be hashed (a SymInt while tracing with dynamic
+    shapes) computes the configuration afresh."""
+    memo = functools.lru_cache(maxsize=1024)(config)
+
+    @functools.wraps(config)
+    def cached(*args, **kwargs) -> dict:
+        try:
+            return dict(memo(*args, **kwargs))
+        except TypeError:
+            return config(*args, **kwargs)
+
+    return cached
 
 
 def backend() -> str:

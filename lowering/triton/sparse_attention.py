@@ -44,7 +44,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2, word_aligned
-from .launch import Launch, backend, launch, next_pow2, sm_count
+from .launch import Launch, backend, cached_config, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
            "sparse_attention_kernel", "combine_kernel", "AttentionLaunches"]
@@ -294,6 +294,7 @@ def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: int = 0) -> int:
     return elem_bytes * cfg["BLOCK_D"] * (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_N"])
 
 
+@cached_config
 def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int = 132,
                      num_splits: int | None = None, backend: str = "cuda",
                      dtype: torch.dtype = torch.bfloat16, fp8: int = 0) -> dict:
