@@ -1,7 +1,7 @@
 """Export a model as ONE AOTInductor package (prefill + decode programs) and run it from Python
 with AOTIGenerator -- no torch.compile at load, no model code needed.
 
-    python examples/export_and_load.py [--out model.pt2]
+    python examples/export_and_load.py [--out model.pt2] [--load-only]
 
 On the GPU box (torch 2.11) start Python with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
 (loading a .pt2 otherwise segfaults in std::regex there).
@@ -14,6 +14,7 @@ import dsv4_ops
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", default="build/tiny.pt2")
+parser.add_argument("--load-only", action="store_true", help="the package at --out exists: skip step 1")
 args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,7 +22,8 @@ torch.manual_seed(0)
 model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny(), device=device)
 
 # 1. export: batches of up to 2 requests of up to 128 tokens, prefill in chunks of 16
-dsv4_ops.export(model, args.out, max_batch_size=2, max_seq_len=128, prefill_chunk=16)
+if not args.load_only:
+    dsv4_ops.export(model, args.out, max_batch_size=2, max_seq_len=128, prefill_chunk=16)
 
 # 2. load and generate (a fresh process would do only this part)
 gen = dsv4_ops.AOTIGenerator(args.out)

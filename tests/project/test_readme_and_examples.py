@@ -35,8 +35,13 @@ def test_readme_has_the_snippets_a_newcomer_needs() -> None:
         assert "print(" in code  # every snippet shows its result
 
 
-# the server's client snippet needs the server: test_readme_server_commands_run_as_written runs it
-@pytest.mark.parametrize("i", [i for i, s in enumerate(SNIPPETS) if "OpenAI(" not in s], ids=lambda i: f"snippet{i + 1}")
+# the server's client snippet needs the server: test_readme_server_commands_run_as_written runs it; the export
+# snippet writes the package the examples load: test_readme_export_snippet_then_the_examples_load_its_package
+EXPORT = next(i for i, s in enumerate(SNIPPETS) if "dsv4_ops.export(" in s)
+
+
+@pytest.mark.parametrize("i", [i for i, s in enumerate(SNIPPETS) if "OpenAI(" not in s and i != EXPORT],
+                         ids=lambda i: f"snippet{i + 1}")
 def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     stdout = run([sys.executable, "-c", SNIPPETS[i]], cwd=tmp_path)
     assert stdout.strip(), "the snippet printed nothing"
@@ -45,8 +50,6 @@ def test_readme_snippet_runs_as_written(i: int, tmp_path: Path) -> None:
     if i == 2:  # serve: the second request starts from the first one's full page of system prompt
         stats = ast.literal_eval(stdout.strip().splitlines()[-1])
         assert stats == {"prefix_hit_tokens": 16, "pages_free": stats["pages_free"], "recompiles": 0}
-    if i == 6:
-        assert (tmp_path / "build" / "tiny.pt2").is_file()
 
 
 def test_readme_server_commands_run_as_written(tmp_path: Path) -> None:
@@ -95,13 +98,20 @@ def test_example_generate(tmp_path: Path) -> None:
     assert "graph breaks 0, recompiles 0" in out and out.count("prompt of") == 2
 
 
-def test_examples_export_then_run_from_cpp(tmp_path: Path) -> None:
-    """export_and_load.py exports with the Python API; run_from_cpp.sh runs that package in C++ and
-    prints the same tokens. (Given no package, the script exports with the CLI first: the CLI's
-    part is the next test, without a second multi-minute compile of the same model.)"""
-    pkg = tmp_path / "py.pt2"
-    out = run([sys.executable, str(ROOT / "examples" / "export_and_load.py"), "--out", str(pkg)], cwd=tmp_path)
+def test_readme_export_snippet_then_the_examples_load_its_package(tmp_path: Path) -> None:
+    """The README's export snippet, as written, exports the tiny model (the model and limits of
+    examples/export_and_load.py) and generates from the package; export_and_load.py --load-only loads
+    that package and gets the eager Generator's tokens (the script asserts it), the snippet's too; and
+    run_from_cpp.sh runs it in C++ and prints the same tokens. One export serves the three (a CPU
+    AOTInductor compile takes minutes); given no package, run_from_cpp.sh exports with the CLI: the
+    next test checks that command's model and limits."""
+    snippet = run([sys.executable, "-c", SNIPPETS[EXPORT]], cwd=tmp_path)
+    pkg = tmp_path / "build" / "tiny.pt2"
+    assert pkg.is_file() and "max_batch_size=2, max_seq_len=128, prefill_chunk=16" in SNIPPETS[EXPORT]
+    out = run([sys.executable, str(ROOT / "examples" / "export_and_load.py"), "--out", str(pkg), "--load-only"],
+              cwd=tmp_path)
     tokens = re.search(r"AOTI tokens: (\[\[.*\]\])", out).group(1)
+    assert ast.literal_eval(snippet.strip().splitlines()[-1]) == ast.literal_eval(tokens)
     if shutil.which("cmake") is None and not (ROOT / ".venv" / "bin" / "cmake").exists():
         pytest.skip("cmake is not installed: the C++ half of this example cannot be built")
     cpp = run(["bash", str(ROOT / "examples" / "run_from_cpp.sh"), str(pkg)], cwd=ROOT)
