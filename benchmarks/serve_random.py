@@ -72,7 +72,8 @@ def build(args: argparse.Namespace):
     n_short, n_long = (4, 12) if args.smoke else (16, 144)
 
     def warmup(eng: Engine) -> None:  # on the engine's thread, which owns its compiled steps and CUDA graphs
-        print(f"warm-up: {eng.warm_up()}", flush=True)  # every step shape compiles and records
+        # every step shape the benchmark's greedy requests take compiles and records (no top-k / top-p shapes)
+        print(f"warm-up: {eng.warm_up(filtered=False)}", flush=True)
         ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
                             device, n_short, n_long)
         print(f"engine decode step b1 x {len(prompt)}: {ms:.3f} ms", flush=True)

@@ -328,14 +328,16 @@ class Engine:
                     got[out.request_id] += out.new_token_ids
         return [got[rid] for rid in ids]
 
-    def warm_up(self) -> dict:
+    def warm_up(self, filtered: bool = True) -> dict:
         """Run every step shape the engine can take once, so that no request later waits for a compile
         or a CUDA-graph recording: for each decode bucket ``b``, ``b`` short requests at once (slots
-        ``0..b-1``; their prefill covers the prefill buckets), greedy, sampled, and sampled with top-p.
-        Returns ``{"keys": step shapes run, "compile_time_s": ..., "seconds": ...}``. A server calls it
-        before it reports ready; the requests leave no pages, slots or cached prefixes behind."""
+        ``0..b-1``; their prefill covers the prefill buckets), greedy, sampled, and (``filtered``)
+        sampled with top-p: without it, a load that never asks for top-k / top-p compiles half as many
+        graphs. Returns ``{"keys": step shapes run, "compile_time_s": ..., "seconds": ...}``. A server
+        calls it before it reports ready; the requests leave no pages, slots or cached prefixes behind."""
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
-        sampling = (dict(), dict(temperature=1.0, seed=0), dict(temperature=1.0, top_p=0.9, seed=0))
+        sampling = (dict(), dict(temperature=1.0, seed=0)) + ((dict(temperature=1.0, top_p=0.9, seed=0),)
+                                                               if filtered else ())
         for b in self.decode_buckets:
             prompts = [[(2 * i + j) % self.vocab_size for j in range(2)] for i in range(b)]
             for kw in sampling:

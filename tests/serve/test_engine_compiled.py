@@ -37,6 +37,8 @@ def test_warm_up_runs_every_step_shape_a_load_can_take(spec_steps):
     model = trained_model() if spec_steps else tiny_model(3)
     eng = engine(model, max_running=8, max_prefill_tokens=2 * CHUNK, num_pages=60, spec_steps=spec_steps)
     initial = {k: eng.stats[k] for k in ("pages_free", "pages_cached", "running", "waiting")}
+    eng.warm_up(filtered=False)  # greedy and plain sampling: no top-k / top-p shape
+    assert not any(filtered for _, _, filtered in eng._calls.keys)
     info = eng.warm_up()
     warmed = set(eng._calls.keys)
     decode = {("decode", b, False) for b in (1, 2, 4, 8)}
