@@ -8,9 +8,9 @@
 #           grid (benchmarks/bench_model.py, bench_spec.py)                      -> bench_flash.*, bench_model.*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
-#   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on the bench
-#           config, then on a trained model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4.5 min)
-#           into build/trained-gpu, with its quality numbers (benchmarks/trained_tiny_quality.py)
+#   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
+#           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4.5 min) into build/trained-gpu,
+#           with its quality numbers (benchmarks/trained_tiny_quality.py); then on the bench config (random weights)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained.json
 #   serve   the OpenAI-compatible server on the Flash slice (benchmarks/serve_random.py, random weights) under
 #           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
@@ -101,15 +101,15 @@ for what in "$@"; do
         for i in 1 2; do LD_PRELOAD=$pre build/dsv4_run /tmp/dsv4_aoti/bench_b1.pt2 --prompt "$prompt" \
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
     spec) trained=${TRAINED:-build/trained-gpu}
-          { python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" || rc=1
-            if [ ! -f "$trained/model.safetensors" ]; then
+          { if [ ! -f "$trained/model.safetensors" ]; then
               python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4.5 --out "$trained" \
                 > "$OUT/train_gpu.log" 2>&1 || { rc=1; tail -5 "$OUT/train_gpu.log"; }
             fi
             python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
               || rc=1
             python3 benchmarks/bench_spec.py --model "$trained" --context 1024 --ks 1 2 3 4 \
-              --out "$OUT/bench_spec_trained.json" || rc=1; } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
+              --out "$OUT/bench_spec_trained.json" || rc=1
+            python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" || rc=1; } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
     serve) # serve_on PORT NAME [server flags]: start a server, wait for /health (compiles first), run the loads, stop it
           serve_on() {
             local port=$1 name=$2; shift 2
