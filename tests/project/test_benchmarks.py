@@ -6,6 +6,7 @@ fields BENCHMARKS.md promises, and bench_spec.py's step-by-difference arithmetic
 run the reference, so the timings only prove the harness; the numbers come from the GPU box."""
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -545,7 +546,9 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     out = tmp_path / "engine.json"
     assert bench_engine.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["decode_b1"]["engine_ms"] > 0 and data["decode_b1"]["generator_ms"] > 0
+    # a step time by difference of two generate lengths: on shared CPU cores noise can flip its sign (it did once,
+    # -124 ms), so the smoke run checks that both sides were timed, not their values
+    assert all(math.isfinite(data["decode_b1"][k]) for k in ("engine_ms", "generator_ms"))
     assert data["prefix"]["cached_tokens"] == 64  # the whole 64-token system prompt: two 32-position pages
     t = data["throughput"]
     assert t["requests"] == 8 and t["stats"]["finished"] == 4 + 8 and t["stats"]["recompiles"] == 0  # warm-up + timed
