@@ -105,7 +105,8 @@ MAX_SIGNATURES = 4096
 
 
 def _signature(a) -> object:
-    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else a
+    # a value with its type: 1, 1.0 and True hash alike, and a check may tell them apart
+    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a)
 
 
 def once_per_signature(check: Callable[..., None], *args) -> None:
