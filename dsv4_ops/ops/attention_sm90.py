@@ -27,6 +27,8 @@ import os
 import torch
 from torch import Tensor
 
+from ..lowering.triton.launch import capability, device_index
+
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
 # FP8 caches take the Gluon reader from these batches on (the model's kv_cache_dtype="fp8" pages its window
@@ -46,11 +48,6 @@ def gluon_available() -> bool:
     return True
 
 
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
-
-
 def _fp8_caches(kv: Tensor, cmp: Tensor) -> bool:
     return kv.dtype == torch.uint8 or cmp.dtype == torch.uint8
 
@@ -62,7 +59,7 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
     B, S, H, D = q.shape
     if not (S == 1 and H == 64 and D == 512 and q.dtype == torch.bfloat16 and B > 0
             and kv_idx.dtype == cmp_idx.dtype == cmp_len.dtype == torch.int32
-            and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
+            and torch.version.hip is None and capability(device_index(q.device)) == (9, 0)):
         return False
     if _fp8_caches(kv, cmp):  # FP8 pages (FlashMLA's MODEL1 layout), the window FP8 or bf16
         from ..lowering.gluon.sparse_attention_fp8 import serves

@@ -27,12 +27,12 @@ import) turns the route off, as does :func:`disabled` while tracing.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
 from .. import native
+from ..lowering.triton.launch import capability, device_index
 
 ENV = "DSV4_OPS_CUDA_TOPK"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -64,17 +64,12 @@ def serves(rows: int, N: int, topk: int, max_n: int = MAX_ENTRIES, max_k: int = 
     return rows > 0 and 1 <= N <= max_n and 1 <= topk <= max_k
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    return tuple(torch.cuda.get_device_capability(index)) >= MIN_CAPABILITY
-
-
 def applies(scores_shape: tuple, device: torch.device, topk: int) -> bool:
     """Static: a function of the device and the scores' shape ``[B, S, N]``, never of values."""
     if not (_enabled and available() and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.is_available()):
         return False  # (fake CUDA tensors on a machine without a GPU: the Triton path, as everywhere)
-    if not _capable(device.index if device.index is not None else torch.cuda.current_device()):
+    if capability(device_index(device)) < MIN_CAPABILITY:
         return False
     B, S, N = scores_shape
     return serves(B * S, N, topk)

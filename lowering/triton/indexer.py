@@ -42,7 +42,6 @@ AOTInductor packages). Configuration: :func:`indexer_config`; measurements: docs
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -52,7 +51,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bytes_of_words, e4m3_encode, e4m3_hw, e4m3_to, pow2, scale_exponent, word_aligned
-from .launch import Launch, backend, cached_config, launch, next_pow2, sm_count
+from .launch import Launch, backend, cached_config, capability, device_index, launch, next_pow2, sm_count
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
            "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
@@ -608,14 +607,7 @@ def fp8_dot_serves(q: torch.Tensor) -> bool:
     (fp32 queries, ROCm, the interpreter) both sides are decoded exactly and the dot is bf16 /
     fp32: the same products, summed in fp32."""
     return (q.dtype == torch.bfloat16 and next_pow2(q.shape[-1]) >= 32 and q.is_cuda and backend() == "cuda"
-            and not INTERPRET
-            and _has_fp8_mma(q.device.index if q.device.index is not None else torch.cuda.current_device()))
-
-
-@functools.cache
-def _has_fp8_mma(index: int) -> bool:
-    # read once per device, not on every eager launch
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+            and not INTERPRET and capability(device_index(q.device)) >= (8, 9))
 
 
 def entries(keys: torch.Tensor) -> int:

@@ -36,14 +36,25 @@ def sm_count(device: torch.device) -> int:
     """Multiprocessors of a GPU device (static: read from the device properties, not
     from data); 132 (H100/H200) on a device without properties, e.g. the interpreter."""
     if device.type == "cuda" and torch.cuda.is_available():
-        return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+        return _multiprocessors(device_index(device))
     return 132
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device (``cuda`` alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# device properties, read once per device: a query costs microseconds on every eager launch
 @functools.cache
 def _multiprocessors(index: int) -> int:
-    # read once per device: get_device_properties costs microseconds on every eager launch
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def capability(index: int) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of CUDA device ``index``."""
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def cached_config(config: Callable[..., dict]) -> Callable[..., dict]:
