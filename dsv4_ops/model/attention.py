@@ -57,6 +57,10 @@ class AttentionState:
                        ``position_bias[p % m]``), position ``p`` at slot ``p % Rc``.
     pool:              ``[B, N, D]`` compressed entries, entry ``i`` at index ``i``.
     idx_*:             the same for the CSA indexer's compressor (``D -> DI``).
+    block_table:       ``None``, or ``int32 [B, P]``: then ``pool`` / ``idx_pool`` are pages
+                       ``[num_pages, page, ...]`` shared by the rows (the serving engine's pool),
+                       row ``b``'s entry ``i`` in page ``block_table[b, i // page]``; the ops read
+                       and write them through it.
     Sliding layers only have ``window``; HCA layers have no ``idx_*``.
     """
 
@@ -67,6 +71,7 @@ class AttentionState:
     idx_kv_ring: Tensor | None = None
     idx_gate_ring: Tensor | None = None
     idx_pool: Tensor | None = None
+    block_table: Tensor | None = None
 
     def tensors(self) -> dict[str, Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -76,7 +81,8 @@ class AttentionState:
         themselves, so an exported step mutates whole buffers, never views."""
         if n == self.window.shape[0]:
             return self
-        return AttentionState(**{k: t[:n] for k, t in self.tensors().items()})
+        shared = ("pool", "idx_pool") if self.block_table is not None else ()  # pages: all rows' at once
+        return AttentionState(**{k: t if k in shared else t[:n] for k, t in self.tensors().items()})
 
 
 class RMSNorm(nn.Module):
@@ -108,11 +114,12 @@ class Compressor(nn.Module):
         gate = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
         return kv, gate
 
-    def step(self, x, positions, start, emit, write, kv_ring, gate_ring, pool, cos, sin) -> None:
-        """Emit every block in ``emit`` into ``pool``, then store the new rows in the rings."""
+    def step(self, x, positions, start, emit, write, kv_ring, gate_ring, pool, cos, sin, block_table=None) -> None:
+        """Emit every block in ``emit`` into ``pool`` (pages through ``block_table``, if given), then
+        store the new rows in the rings."""
         kv, gate = self.rows(x, positions)
         dsv4.compress(kv_ring, gate_ring, kv, gate, start, emit, self.kv_norm.weight, cos, sin, pool, self.ratio,
-                      self.overlap, self.eps)
+                      self.overlap, self.eps, block_table)
         dsv4.cache_write(kv_ring, kv, write)
         dsv4.cache_write(gate_ring, gate, write)
 
@@ -280,26 +287,28 @@ class Attention(nn.Module):
         cmp = kv.new_zeros(B, 0, self.head_dim, dtype=kv.dtype if is_fp8 else state.window.dtype)
         cmp_idx = torch.full((B, S, 0), -1, dtype=torch.int32, device=x.device)
         cmp_len = torch.zeros(B, S, dtype=torch.int32, device=x.device)
+        table = None  # the compressed pools' block table (a paged pool), for the ops that read them
         if c is not None:
             csa = self.layer_type == CSA
+            table = state.block_table
             emit, write, visible = ((plan.csa_emit, plan.csa_write, plan.csa_len) if csa
                                     else (plan.hca_emit, plan.hca_write, plan.hca_len))
-            c.step(x, pos, start, emit, write, state.kv_ring, state.gate_ring, state.pool, self.cos, self.sin)
+            c.step(x, pos, start, emit, write, state.kv_ring, state.gate_ring, state.pool, self.cos, self.sin, table)
             if sim:
-                _simulate_rows(state.pool, emit, lambda e: fp8.simulate_kv(e, rope))
+                _simulate_rows(state.pool, emit, lambda e: fp8.simulate_kv(e, rope), table)
             cmp = state.pool
             if csa:
                 idx = c.indexer
                 idx.step(x, pos, start, emit, write, state.idx_kv_ring, state.idx_gate_ring, state.idx_pool,
-                         self.cos, self.sin)
+                         self.cos, self.sin, table)
                 if sim:
-                    _simulate_rows(state.idx_pool, emit, fp8.simulate_keys)
+                    _simulate_rows(state.idx_pool, emit, fp8.simulate_keys, table)
                 qI, w = idx.queries(x, qr, cos, sin)
                 if is_fp8 or sim:  # the keys are stored rotated: rotate the queries alike
                     qI = fp8.rotate(qI).to(qI.dtype)
                 if sim:  # what the op does over FP8 keys: FP8 queries
                     qI = fp8.simulate_queries(qI).to(qI.dtype)
-                cmp_idx = dsv4.indexer_topk(qI, w, state.idx_pool, visible, idx.topk)
+                cmp_idx = dsv4.indexer_topk(qI, w, state.idx_pool, visible, idx.topk, table)
             else:
                 cmp_len = visible
 
@@ -312,7 +321,7 @@ class Attention(nn.Module):
             kv = fp8.simulate_kv(kv, rope).to(state.window.dtype) if sim else kv.to(state.window.dtype)
             src = torch.cat([state.window, kv], dim=1) if meta.concat else state.window
             dsv4.cache_write(state.window, kv, plan.win_write)  # concat mode: src was copied before
-        o = dsv4.sparse_attention(q, src, plan.win_idx, cmp, cmp_idx, cmp_len, self.sinks, self.scale)
+        o = dsv4.sparse_attention(q, src, plan.win_idx, cmp, cmp_idx, cmp_len, self.sinks, self.scale, table)
         return self.out(o, cos, sin)
 
     def rings(self, state: AttentionState) -> RingSizes:
@@ -324,9 +333,15 @@ class Attention(nn.Module):
                          hca=rc if self.layer_type == HCA else default.hca)
 
 
-def _simulate_rows(pool: Tensor, slots: Tensor, simulate) -> None:
-    """Reference FP8 numerics on a float pool: the rows just written at ``slots [B, E]`` (-1 = none)
-    become ``simulate(rows)``, what an FP8 pool would give back."""
+def _simulate_rows(pool: Tensor, slots: Tensor, simulate, block_table: Tensor | None = None) -> None:
+    """Reference FP8 numerics on a float pool (pages through ``block_table``, if given): the rows
+    just written at ``slots [B, E]`` (-1 = none) become ``simulate(rows)``, what an FP8 pool would
+    give back."""
     B, E = slots.shape
-    rows = torch.gather(pool, 1, slots.clamp(min=0).long()[..., None].expand(B, E, pool.shape[-1]))
-    dsv4.cache_write(pool, simulate(rows).to(pool.dtype), slots)
+    safe = slots.clamp(min=0).long()
+    if block_table is None:
+        rows = torch.gather(pool, 1, safe[..., None].expand(B, E, pool.shape[-1]))
+    else:
+        page = pool.shape[1]
+        rows = pool[block_table.long().gather(1, (safe // page).clamp(max=block_table.shape[1] - 1)), safe % page]
+    dsv4.cache_write(pool, simulate(rows).to(pool.dtype), slots, block_table)

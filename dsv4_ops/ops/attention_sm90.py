@@ -52,9 +52,16 @@ def _fp8_caches(kv: Tensor, cmp: Tensor) -> bool:
     return kv.dtype == torch.uint8 or cmp.dtype == torch.uint8
 
 
-def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor) -> bool:
-    """Static: the route is a function of devices, dtypes, shapes and strides, never of values."""
+def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor,
+            block_table: Tensor | None = None) -> bool:
+    """Static: the route is a function of devices, dtypes, shapes and strides, never of values.
+
+    A paged pool (``block_table``) keeps the Triton kernel: the Gluon producers gather a row's
+    entries from one base pointer, and reading pages through the block table there (one more
+    dependent load in front of every row copy) is untested without an sm_90 GPU to time it."""
     if not (_enabled and q.device.type == "cuda" and not torch.compiler.is_exporting() and gluon_available()):
+        return False
+    if block_table is not None:
         return False
     B, S, H, D = q.shape
     if not (S == 1 and H == 64 and D == 512 and q.dtype == torch.bfloat16 and B > 0

@@ -1,4 +1,6 @@
 """``dsv4::compress``: pooled, normed, roped entry of every block a step completes (mutating)."""
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.library import wrap_triton
@@ -15,24 +17,30 @@ from ._backend import use_triton
 def _compress(
     ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
     norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
+    block_table: Optional[Tensor] = None,
 ) -> None:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
     # one fused kernel (softmax pooling + RMSNorm + RoPE + pool write) per emitted block.
-    # An FP8 pool (rank-4 uint8, static) is written quantised: KV layout or indexer keys.
-    torch._check((pool.dim() == 3 or fp8.is_fp8_cache(pool)) and ring_kv.dim() == 3 and new_kv.dim() == 3
+    # An FP8 pool (rank-4 uint8, or rank-3 uint8 pages with a block table; static) is written
+    # quantised: KV layout or indexer keys.
+    paged = block_table is not None
+    pool8 = fp8.is_fp8_cache(pool, paged)
+    torch._check((pool.dim() == 3 or pool8) and ring_kv.dim() == 3 and new_kv.dim() == 3
                  and emit.dim() == 2, lambda: "compress: ring/new must be 3-d, pool 3-d (or FP8) and emit [B, E]")
+    torch._check(not paged or block_table.dim() == 2, lambda: "compress: block_table must be [B, P]")
     c = 2 if overlap else 1
-    d = new_kv.shape[-1] // c if fp8.is_fp8_cache(pool) else pool.shape[-1]
+    d = new_kv.shape[-1] // c if pool8 else pool.shape[-1]
     torch._check(ring_kv.shape[-1] == c * d, lambda: f"compress: ring_kv last dim must be {c}*d")
     torch._check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
     torch._check(ring_gate.shape == ring_kv.shape and new_gate.shape == new_kv.shape,
                  lambda: "compress: gates must have the shapes of their kv")
-    torch._check(ring_kv.shape[0] == pool.shape[0] and new_kv.shape[0] == pool.shape[0]
-                 and start.shape == pool.shape[:1] and emit.shape[0] == pool.shape[0],
-                 lambda: "compress: B of ring/new/start/emit and pool differ")
+    B = block_table.shape[0] if paged else pool.shape[0]
+    torch._check(ring_kv.shape[0] == B and new_kv.shape[0] == B and start.dim() == 1 and start.shape[0] == B
+                 and emit.shape[0] == B, lambda: "compress: B of ring/new/start/emit and pool (block_table) differ")
     torch._check(2 * cos.shape[-1] <= d, lambda: "compress: rope dims 2*cos.shape[-1] exceed d")
     torch._check(ratio > 0, lambda: "compress: ratio must be > 0")  # a block of no slots has no softmax
-    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps)
+    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps,
+            block_table)
     if use_triton(pool):
         spec = cp.compress_launch(*args)
         if spec is not None:
@@ -44,6 +52,7 @@ def _compress(
 def compress(
     ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
     norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
+    block_table: Tensor | None = None,
 ) -> None:
     """Write the compressed entry of every block in ``emit`` into ``pool``; in place.
 
@@ -70,6 +79,10 @@ def compress(
             ``dsv4_ops/reference/fp8_cache.py``): the KV layout, or, when ``entry_bytes == d + 4``,
             indexer keys (Hadamard-rotated, then quantised); entries are quantised on write.
         ratio: ``m >= 1``.  overlap: CSA layout.  eps: RMSNorm epsilon.
+        block_table: ``[B, P] int32`` page ids in ``0 .. num_pages-1``; ``pool`` is then a paged
+            pool ``[num_pages, page, d]`` (or FP8 pages ``uint8 [num_pages, page, entry_bytes]``,
+            whose page stride may be padded), entry ``i < N = P * page`` of row ``b`` at slot
+            ``i % page`` of page ``block_table[b, i // page]`` (``reference.ops.paged_rows``).
 
     Call it before writing this step's rows into the ring (``cache_write`` with
     ``plan.*_write``): the ring then still holds the open block's earlier tokens.
@@ -80,23 +93,25 @@ def compress(
     pools whatever rows its positions map to. This wrapper rejects all of these instead.
     """
     v.once_per_signature(_check_arguments, ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin,
-                         pool, ratio, overlap)
-    if v.reads_values(start, emit):
-        _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap)
+                         pool, ratio, overlap, block_table)
+    if v.reads_values(start, emit, *v.present(block_table)):
+        _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap, block_table)
     torch.ops.dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
-                            overlap, eps)
+                            overlap, eps, block_table)
 
 
 def _check_arguments(
     ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
     norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool,
+    block_table: Tensor | None,
 ) -> None:
     """The metadata checks of :func:`compress` (ranks, dtypes, widths, the FP8 layout, ring size, devices)."""
     op = "compress"
     pool8 = pool.dtype == torch.uint8
+    paged = block_table is not None
     for name, t, layout in (("ring_kv", ring_kv, "[B, R, c*d]"), ("ring_gate", ring_gate, "[B, R, c*d]"),
                             ("new_kv", new_kv, "[B, S, c*d]"), ("new_gate", new_gate, "[B, S, c*d]"),
-                            ("pool", pool, "[B, N, d]")):
+                            ("pool", pool, "[num_pages, page, d]" if paged else "[B, N, d]")):
         if name == "pool" and pool8:
             continue
         v.rank(op, name, t, layout)
@@ -114,26 +129,30 @@ def _check_arguments(
         v.floating(op, name, t)
     v.at_least(op, "ratio", ratio, 1)
     c = 2 if overlap else 1
+    B, N = (block_table.shape[0], v.entries(pool, block_table)) if paged else (pool.shape[0], v.entries(pool))
     if pool8:
-        B, N, d = pool.shape[0], v.entries(pool), new_kv.shape[-1] // c
-        if pool.dim() == 4 and pool.shape[3] == d + 4:
+        d = new_kv.shape[-1] // c
+        if pool.dim() == (3 if paged else 4) and pool.shape[-1] == d + 4:
             if d & (d - 1):
                 v.fail(op, f"FP8 indexer keys need a power-of-two width (Hadamard rotation), got d = {d}")
         else:
-            v.fp8_kv_cache(op, "pool", pool, d)
+            v.fp8_kv_cache(op, "pool", pool, d, paged)
             if fp8.KVLayout.of(pool, d).rope != 2 * cos.shape[-1]:
                 v.fail(op, f"pool's FP8 layout keeps {fp8.KVLayout.of(pool, d).rope} rope dims in bf16, "
                            f"but cos rotates 2 * cos.shape[-1] = {2 * cos.shape[-1]}")
     else:
-        B, N, d = pool.shape
+        d = pool.shape[2]
     cd = f"(2 if overlap else 1) * d = {c} * {d}"
+    of_b = "B of block_table" if paged else "B of pool"
+    if paged:
+        v.block_table(op, block_table, pool)
     for name, t in (("ring_kv", ring_kv), ("ring_gate", ring_gate), ("new_kv", new_kv), ("new_gate", new_gate)):
-        v.dim(op, name, t, 0, B, "B of pool")
+        v.dim(op, name, t, 0, B, of_b)
         v.dim(op, name, t, 2, c * d, cd)
     v.dim(op, "ring_gate", ring_gate, 1, ring_kv.shape[1], "R of ring_kv")
     v.dim(op, "new_gate", new_gate, 1, new_kv.shape[1], "S of new_kv")
-    v.dim(op, "start", start, 0, B, "B of pool")
-    v.dim(op, "emit", emit, 0, B, "B of pool")
+    v.dim(op, "start", start, 0, B, of_b)
+    v.dim(op, "emit", emit, 0, B, of_b)
     v.dim(op, "norm_weight", norm_weight, 0, d, "d of pool")
     v.dim(op, "sin", sin, 0, cos.shape[0], "P of cos")
     v.dim(op, "sin", sin, 1, cos.shape[1], "r/2 of cos")
@@ -144,19 +163,21 @@ def _check_arguments(
     R, S = ring_kv.shape[1], new_kv.shape[1]
     v.at_least(op, "ring_kv.shape[1]", R, c * ratio, f"(ring slots R >= {c} * ratio = {c * ratio})")
     v.same_device(op, ring_kv=ring_kv, ring_gate=ring_gate, new_kv=new_kv, new_gate=new_gate, start=start,
-                  emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool)
+                  emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool,
+                  **({"block_table": block_table} if paged else {}))
 
 
 def _check_values(ring_kv: Tensor, new_kv: Tensor, start: Tensor, emit: Tensor, cos: Tensor, pool: Tensor,
-                  ratio: int, overlap: bool) -> None:
+                  ratio: int, overlap: bool, block_table: Tensor | None) -> None:
     """The value checks of :func:`compress`: every emitted block is in the pool, complete, still in
     the ring and inside the rope table; one host read (``validate.run_value_checks``)."""
     op = "compress"
-    N, R, S = v.entries(pool), ring_kv.shape[1], new_kv.shape[1]
+    N, R, S = v.entries(pool, block_table), ring_kv.shape[1], new_kv.shape[1]
     blk, st = emit.long(), start.long()[:, None]
     on = blk >= 0
     oldest = (blk - (1 if overlap else 0)).clamp(min=0) * ratio
     v.run_value_checks(
+        *v.block_table_checks(op, block_table, pool),
         v.index_range_check(op, "emit", emit, N, "pool entries"),
         v.in_range_check(op, "start", start, 0, 2**31 - 1, "int32"),
         v.none_of_check(op, on & ((blk + 1) * ratio > st + S), lambda at: (

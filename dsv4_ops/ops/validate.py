@@ -74,11 +74,15 @@ def at_least(op: str, name: str, value: int, minimum: int, why: str = "") -> Non
         fail(op, f"{name} must be >= {minimum}{' ' + why if why else ''}, got {value}")
 
 
-def fp8_kv_cache(op: str, name: str, t: Tensor, dim: int) -> None:
-    """An FP8 KV cache ``uint8 [B, pages, page, entry_bytes]`` of ``dim``-wide entries."""
+def fp8_kv_cache(op: str, name: str, t: Tensor, dim: int, paged: bool = False) -> None:
+    """An FP8 KV cache ``uint8 [B, pages, page, entry_bytes]`` of ``dim``-wide entries (``paged``:
+    pages ``[num_pages, page, entry_bytes]``)."""
     from ..reference.fp8_cache import KVLayout
 
-    if t.dim() != 4:
+    if paged and t.dim() != 3:
+        fail(op, f"{name} (paged FP8 KV cache) must have rank 3 [num_pages, page, entry_bytes], "
+                 f"got shape {tuple(t.shape)}")
+    if not paged and t.dim() != 4:
         fail(op, f"{name} (FP8 KV cache) must have rank 4 [B, pages, page, entry_bytes], got shape {tuple(t.shape)}")
     try:
         KVLayout.of(t, dim)
@@ -86,14 +90,31 @@ def fp8_kv_cache(op: str, name: str, t: Tensor, dim: int) -> None:
         fail(op, f"{name}: {e}")
 
 
-def fp8_key_cache(op: str, name: str, t: Tensor, dim: int) -> None:
-    """An FP8 indexer-key cache ``uint8 [B, pages, page, dim + 4]``."""
-    if t.dim() != 4 or t.shape[3] != dim + 4:
-        fail(op, f"{name} (FP8 indexer keys) must be [B, pages, page, DI + 4 = {dim + 4}], got shape {tuple(t.shape)}")
+def fp8_key_cache(op: str, name: str, t: Tensor, dim: int, paged: bool = False) -> None:
+    """An FP8 indexer-key cache ``uint8 [B, pages, page, dim + 4]`` (``paged``: ``[num_pages, page, dim + 4]``)."""
+    if t.dim() != (3 if paged else 4) or t.shape[-1] != dim + 4:
+        layout = "[num_pages, page" if paged else "[B, pages, page"
+        fail(op, f"{name} (FP8 indexer keys) must be {layout}, DI + 4 = {dim + 4}], got shape {tuple(t.shape)}")
 
 
-def entries(t: Tensor) -> int:
-    """Rows of a ring / pool: ``N`` of ``[B, N, C]``, ``pages * page`` of an FP8 cache."""
+def block_table(op: str, table: Tensor, pages: Tensor, name: str = "block_table") -> None:
+    """A block table ``int32 [B, P]`` of page ids into ``pages`` (``[num_pages, page, ...]``), each
+    page's entries within the page stride (FlashMLA pads the stride; it never overlaps pages)."""
+    rank(op, name, table, "[B, P]")
+    dtype(op, name, table, torch.int32)
+    if pages.dim() >= 2 and pages.shape[0] > 1 and pages.stride(0) < pages.shape[1] * pages.stride(1):
+        fail(op, f"the pages of a paged pool must not overlap: stride(0) = {pages.stride(0)} < page * stride(1) "
+                 f"= {pages.shape[1]} * {pages.stride(1)}")
+    if pages.dtype == torch.uint8 and pages.dim() == 3 and (pages.stride(2) != 1 or pages.stride(1) != pages.shape[2]):
+        fail(op, f"an FP8 page must be its entries' bytes back to back (stride(1) = entry_bytes = {pages.shape[2]}, "
+                 f"stride(2) = 1), got strides {pages.stride()}")
+
+
+def entries(t: Tensor, table: Tensor | None = None) -> int:
+    """Rows of a ring / pool: ``N`` of ``[B, N, C]``, ``pages * page`` of an FP8 cache; through a
+    block table ``[B, P]``, ``P * page`` of ``[num_pages, page, ...]`` pages."""
+    if table is not None:
+        return table.shape[1] * t.shape[1]
     return t.shape[1] * t.shape[2] if t.dtype == torch.uint8 and t.dim() == 4 else t.shape[1]
 
 
@@ -106,12 +127,12 @@ MAX_SIGNATURES = 4096
 
 def _signature(a) -> object:
     # a value with its type: 1, 1.0 and True hash alike, and a check may tell them apart
-    return (a.shape, a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a)
+    return (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, Tensor) else (type(a), a)
 
 
 def once_per_signature(check: Callable[..., None], *args) -> None:
     """``check(*args)``, unless it passed before for arguments of the same signature: the tensors'
-    shapes, dtypes and devices, the other arguments' values. ``check`` must read nothing else.
+    shapes, strides, dtypes and devices, the other arguments' values. ``check`` must read nothing else.
 
     While ``torch.compile`` traces, the check always runs (it costs nothing at run time, and a
     lookup would make the graph guard on this cache); so does a call whose signature cannot be
@@ -228,6 +249,18 @@ def distinct_per_row_check(op: str, name: str, idx: Tensor) -> ValueCheck:
     s = idx.sort(dim=-1).values
     dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
     return ValueCheck((dup.any(),), lambda values: not values[0], functools.partial(distinct_per_row, op, name, idx))
+
+
+def block_table_checks(op: str, table: Tensor | None, pages: Tensor, name: str = "block_table") -> tuple[ValueCheck, ...]:
+    """Every entry of a block table names one of the pool's pages (no check without a table)."""
+    if table is None:
+        return ()
+    return (in_range_check(op, name, table, 0, pages.shape[0] - 1, f"the pool's pages num_pages={pages.shape[0]}"),)
+
+
+def present(*tensors: Tensor | None) -> tuple[Tensor, ...]:
+    """The tensors that are given (optional arguments left out)."""
+    return tuple(t for t in tensors if t is not None)
 
 
 def none_of_check(op: str, bad: Tensor, message) -> ValueCheck:

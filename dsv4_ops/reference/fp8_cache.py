@@ -11,7 +11,11 @@ bytes padded to a multiple of 8 (7 + 1 pad = 8 at V4). Entry ``i`` of a row live
 ``i // page``, slot ``t = i % page``: data at ``page_base + t * data_bytes``, scales at
 ``page_base + page * data_bytes + t * scale_bytes`` (FlashMLA's ``block_base + bs*576 + t*8``).
 The tensor is ``uint8 [B, pages, page, entry_bytes]`` (FlashMLA passes ``[blocks, bs, 1, 584]``):
-its shape carries ``page`` and ``entry_bytes``, NOT a row-per-entry layout.
+its shape carries ``page`` and ``entry_bytes``, NOT a row-per-entry layout. A paged pool (read and
+written through a block table, ``dsv4_ops/reference/ops.py``) is ``uint8 [num_pages, page,
+entry_bytes]``: the same pages without the row dim. Its page stride may exceed ``page *
+entry_bytes`` (FlashMLA pads every page to a multiple of 576 bytes); only the bytes of a page's
+entries and footer are ever read or written.
 
 **Indexer keys** (CSA layers) -- DeepGEMM's paged FP8 indexer layout: keys are Hadamard-rotated
 (``H / sqrt(DI)``, Sylvester order; orthonormal, so ``q . k`` is kept when the queries are rotated
@@ -90,9 +94,10 @@ class KVLayout:
 
     @staticmethod
     def of(cache: Tensor, dim: int) -> "KVLayout":
-        """The layout of a ``[B, pages, page, entry_bytes]`` cache of ``dim``-wide entries (the
-        rope width follows from ``entry_bytes``: it falls strictly as nope grows)."""
-        page, eb = cache.shape[2], cache.shape[3]
+        """The layout of a ``[B, pages, page, entry_bytes]`` cache (or ``[num_pages, page,
+        entry_bytes]`` pages) of ``dim``-wide entries (the rope width follows from
+        ``entry_bytes``: it falls strictly as nope grows)."""
+        page, eb = cache.shape[-2], cache.shape[-1]
         for nope in range(0, dim + 1, QUANT_BLOCK):
             lay = KVLayout(dim, dim - nope, page)
             if lay.entry_bytes == eb:
@@ -121,16 +126,21 @@ class IndexerLayout:
 
     @staticmethod
     def of(cache: Tensor) -> "IndexerLayout":
-        return IndexerLayout(cache.shape[3] - 4, cache.shape[2])
+        return IndexerLayout(cache.shape[-1] - 4, cache.shape[-2])
 
 
-def is_fp8_cache(t: Tensor) -> bool:
-    """An FP8 paged cache is a rank-4 uint8 tensor; float caches are rank 3."""
-    return t.dtype == torch.uint8 and t.dim() == 4
+def is_fp8_cache(t: Tensor, paged: bool = False) -> bool:
+    """An FP8 cache is a uint8 tensor: rank 4 ``[B, pages, page, entry_bytes]`` per row, rank 3
+    ``[num_pages, page, entry_bytes]`` when ``paged`` (addressed through a block table); float
+    caches are rank 3 either way."""
+    return t.dtype == torch.uint8 and t.dim() == (3 if paged else 4)
 
 
-def entries(t: Tensor) -> int:
-    """Entries a cache addresses: ``pages * page`` (FP8) or ``N`` of ``[B, N, C]``."""
+def entries(t: Tensor, block_table: Tensor | None = None) -> int:
+    """Entries a row of a cache addresses: ``pages * page`` (FP8) or ``N`` of ``[B, N, C]``; through
+    ``block_table [B, P]``, ``P * page`` of ``[num_pages, page, width]`` pages."""
+    if block_table is not None:
+        return block_table.shape[1] * t.shape[1]
     return t.shape[1] * t.shape[2] if is_fp8_cache(t) else t.shape[1]
 
 

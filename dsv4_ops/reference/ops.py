@@ -23,6 +23,14 @@ dequantise what they read. Over FP8 keys ``indexer_topk`` also quantises its que
 power-of-two scale a head (``fp8_cache.simulate_queries``): an FP8 x FP8 score, as the serving
 engines compute it. Pool sizes ``N`` are then ``pages * page`` entries.
 
+Paged pools (the serving engine's): wherever an op takes a compressed pool or an indexer-key pool
+it also takes it as pages shared by all rows, ``[num_pages, page, width]`` (float, or FP8
+``uint8 [num_pages, page, entry_bytes]``), with a ``block_table [B, P] int32``: entry ``i`` of row
+``b`` lives in page ``block_table[b, i // page]`` at slot ``i % page``, so a row addresses
+``N = P * page`` entries. The per-row layout is the special case of one page per row
+(``block_table[b] = b``); :func:`paged_rows` is the definition every backend follows. Page ids
+are clamped to ``[0, num_pages)``.
+
 Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject
 them, the raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the
 same way, these functions included: an index or slot outside its tensor is skipped like
@@ -37,6 +45,8 @@ from . import fp8_cache as fp8
 
 __all__ = [
     "plan",
+    "paged_rows",
+    "physical_entries",
     "cache_write",
     "compress",
     "indexer_topk",
@@ -180,17 +190,62 @@ def plan(
 
 
 # --------------------------------------------------------------------------------------
+# paged pools: a row's entries through its block-table row
+# --------------------------------------------------------------------------------------
+def paged_rows(pages: Tensor, block_table: Tensor) -> Tensor:
+    """The per-row layout of a paged pool: row ``b`` is its pages in block-table order.
+
+    ``pages [num_pages, page, width]`` (or FP8 ``uint8 [num_pages, page, entry_bytes]``),
+    ``block_table [B, P] int32`` -> ``[B, P * page, width]`` (FP8: ``[B, P, page, entry_bytes]``,
+    the per-row FP8 layout). A copy: what the reads see, never written back."""
+    rows = pages[block_table.long().clamp(0, pages.shape[0] - 1)]  # [B, P, page, width]
+    return rows if fp8.is_fp8_cache(pages, paged=True) else rows.flatten(1, 2)
+
+
+def physical_entries(idx: Tensor, block_table: Tensor, pages: Tensor) -> Tensor:
+    """Entries ``idx [B, ...]`` of the rows of ``block_table [B, P]`` -> their index in ``pages``
+    seen as one row of ``num_pages * page`` entries (``page_id * page + idx % page``), int64;
+    ``-1`` where ``idx`` is outside ``[0, P * page)``."""
+    num_pages, page = pages.shape[0], pages.shape[1]
+    B = idx.shape[0]
+    ok = (idx >= 0) & (idx < block_table.shape[1] * page)
+    safe = torch.where(ok, idx, 0).long().reshape(B, -1)
+    page_id = block_table.long().clamp(0, num_pages - 1).gather(1, safe // page)
+    return torch.where(ok, (page_id * page + safe % page).view(idx.shape), -1)
+
+
+def _write_pages(pages: Tensor, values: Tensor, phys: Tensor) -> None:
+    """``pages`` seen as one row, ``row[phys] = values`` (``[..., C]`` at ``phys [...]``, -1 = skip)."""
+    num_pages, page = pages.shape[0], pages.shape[1]
+    keep = phys >= 0
+    # Skipped rows are routed to a scratch page, then dropped: no data-dependent shapes.
+    page_id = torch.where(keep, phys // page, num_pages)
+    padded = torch.cat([pages, pages.new_zeros(1, *pages.shape[1:])])
+    padded[page_id, torch.where(keep, phys % page, 0)] = values.to(pages.dtype)
+    pages.copy_(padded[:num_pages])
+
+
+# --------------------------------------------------------------------------------------
 # cache writes
 # --------------------------------------------------------------------------------------
-def cache_write(cache: Tensor, values: Tensor, slots: Tensor) -> None:
+def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tensor | None = None) -> None:
     """``cache[b, slots[b, s]] = values[b, s]`` for every ``slots >= 0``; in place.
 
     cache ``[B, N, C]``, values ``[B, S, C]`` (same dtype), slots ``[B, S] int32``.
     Serves the window ring, the compressor-input rings and any pool. Slots of one row
-    must be distinct (``plan`` guarantees it).
+    must be distinct (``plan`` guarantees it); with ``block_table``, the physical entries of
+    all rows must be (rows own their pages while they write them).
+
+    ``block_table [B, P]``: ``cache`` is a paged pool (``[num_pages, page, C]``, or FP8 pages),
+    ``N = P * page``.
 
     Raw-op contract: slots outside ``[0, N)`` are skipped like -1.
     """
+    if block_table is not None:
+        phys = physical_entries(slots, block_table, cache)
+        if fp8.is_fp8_cache(cache, paged=True):  # the pages as one row of the FP8 layout (a view)
+            return _cache_write_fp8(cache[None], values.flatten(0, 1)[None], phys.flatten()[None])
+        return _write_pages(cache, values, phys)
     if fp8.is_fp8_cache(cache):
         return _cache_write_fp8(cache, values, slots)
     B, S = slots.shape
@@ -244,6 +299,7 @@ def compress(
     ratio: int,
     overlap: bool,
     eps: float,
+    block_table: Tensor | None = None,
 ) -> None:
     """Emit the compressed entry of every block listed in ``emit`` into ``pool``; in place.
 
@@ -257,7 +313,8 @@ def compress(
         emit: ``[B, E] int32`` block ids to emit (``plan``'s ``*_emit``), -1 = none.
         norm_weight: ``[d]`` RMSNorm weight applied to the pooled entry.
         cos, sin: ``[P, r/2]`` rope tables; entry ``i`` is rotated at position ``m*i``.
-        pool: ``[B, N, d]`` compressed pool, entry ``i`` written at index ``i``.
+        pool: ``[B, N, d]`` compressed pool, entry ``i`` written at index ``i``; or, with
+            ``block_table [B, P]``, a paged pool ``[num_pages, page, d]`` (``N = P * page``).
         ratio: m.  overlap: CSA layout (entry i pools the first halves of block i-1's
             tokens and the second halves of block i's; block -1 contributes weight 0).
         eps: RMSNorm epsilon.
@@ -275,7 +332,7 @@ def compress(
     R = ring_kv.shape[1]
     S = new_kv.shape[1]
     dev = emit.device
-    N = pool.shape[1] * pool.shape[2] if fp8.is_fp8_cache(pool) else pool.shape[1]
+    N = fp8.entries(pool, block_table)
     emitted = (emit >= 0) & (emit < N)
     blk = torch.where(emitted, emit.long(), 0)  # [B, E]; skipped blocks computed then dropped
     start = start.long()
@@ -322,6 +379,11 @@ def compress(
         s = torch.zeros_like(c)
     entry = apply_rope(entry, c, s)
 
+    if block_table is not None:
+        phys = physical_entries(torch.where(emitted, blk, -1), block_table, pool)
+        if fp8.is_fp8_cache(pool, paged=True):  # the pages as one row of the FP8 layout (a view)
+            return _write_entries_fp8(pool[None], entry.flatten(0, 1)[None], phys.flatten()[None])
+        return _write_pages(pool, entry, phys)
     if fp8.is_fp8_cache(pool):
         return _write_entries_fp8(pool, entry, torch.where(emitted, blk, -1))
     tgt = torch.where(emitted, blk, torch.full_like(blk, N))
@@ -342,13 +404,15 @@ def indexer_scores(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor) ->
     return scores.masked_fill(idx >= visible[..., None], float("-inf"))
 
 
-def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int) -> Tensor:
+def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int,
+                 block_table: Tensor | None = None) -> Tensor:
     """Top-``topk`` visible compressed entries per query, fixed width, -1 sentinels.
 
     Args:
         q: ``[B, S, HI, DI]`` indexer queries (roped).
         weights: ``[B, S, HI]`` per-head weights with every scale folded in.
-        keys: ``[B, N, DI]`` indexer-key pool (entry i at index i).
+        keys: ``[B, N, DI]`` indexer-key pool (entry i at index i); or, with ``block_table
+            [B, P]``, paged keys ``[num_pages, page, DI]`` (``N = P * page``).
         visible: ``[B, S] int32`` entries ``i < visible`` may be picked (causality:
             ``(t+1)//m``; 0 for padding queries).
         topk: output width k.
@@ -360,6 +424,8 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
 
     Raw-op contract: ``visible`` is clamped to ``[0, N]``.
     """
+    if block_table is not None:
+        keys = paged_rows(keys, block_table)
     if fp8.is_fp8_cache(keys):  # rotated keys: the caller passes rotated queries, scored as FP8 (per head)
         keys = fp8.read_keys(keys)
         q = fp8.simulate_queries(q)
@@ -389,6 +455,7 @@ def sparse_attention(
     cmp_len: Tensor,
     sink: Tensor,
     scale: float,
+    block_table: Tensor | None = None,
 ) -> Tensor:
     """MQA with one shared K = V vector per entry, over a per-query entry set, plus sink.
 
@@ -396,7 +463,8 @@ def sparse_attention(
         q: ``[B, S, H, D]`` queries.
         kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode).
         kv_idx: ``[B, S, W] int32`` rows of ``kv`` each query attends, -1 = skip.
-        cmp: ``[B, Nc, D]`` compressed pool.
+        cmp: ``[B, Nc, D]`` compressed pool; or, with ``block_table [B, P]``, a paged pool
+            ``[num_pages, page, D]`` (``Nc = P * page``). The window source is always per row.
         cmp_idx: ``[B, S, K] int32`` compressed entries picked by the indexer (CSA),
             -1 = skip; ``K`` may be 0.
         cmp_len: ``[B, S] int32`` additionally attend the dense prefix ``cmp[b, :cmp_len]``
@@ -412,6 +480,8 @@ def sparse_attention(
     ``cmp_len`` is clamped to ``[0, Nc]``.
     """
     B, S, H, D = q.shape
+    if block_table is not None:
+        cmp = paged_rows(cmp, block_table)
     if fp8.is_fp8_cache(kv):
         kv = fp8.read_kv(kv, D)
     if fp8.is_fp8_cache(cmp):

@@ -11,12 +11,11 @@ What a request's later tokens read splits in two (serving_design.md §7.1):
   ``int32 [slots, pages_per_request]`` addresses them all. Page 0 is a dummy: padding rows and
   unused block-table entries point there, and nothing real is ever read from it.
 
-A step gathers each layer's pages into the ``[rows, pages * entries, ...]`` row layout the ops
-read (one layer at a time, so the transient is one layer's worth), runs the layer, and copies
-back the pages holding entries the step emitted. A page shared by a prefix is full (every block
-in it closed), so no step emits into it: sharing needs no copy-on-write. The kernels are the
-same as for the per-row pool; reading pages through the block table inside them would save the
-gather (a follow-up: BENCHMARKS.md says what it costs).
+A step hands each layer its pages and the step rows' block-table rows (``AttentionState.
+block_table``): ``compress``, ``cache_write``, ``indexer_topk`` and ``sparse_attention`` read and
+write the entries where they live, through the block table, so no step copies the compressed
+history. A page shared by a prefix is full (every block in it closed), so no step emits into it:
+sharing needs no copy-on-write.
 
 FP8 (``kv_cache_dtype="fp8"``): the same split; a page of a compressed kind is one FlashMLA
 FP8 page of exactly ``entries_per_page`` entries (``fp8_cache.KVLayout`` / ``IndexerLayout``).
@@ -43,40 +42,21 @@ class LayerPages:
     """One attention layer's storage: per-slot rings and (compressed layers) paged pools."""
 
     rings: dict[str, Tensor]  # RING_FIELDS present in this layer -> [slots, ...]
-    pool: Tensor | None  # [num_pages, epp, D] float or [num_pages, epp, bytes] uint8
+    pool: Tensor | None  # [num_pages, epp, D] float or [num_pages, epp, bytes] uint8; epp = page_size / ratio
     idx_pool: Tensor | None
-    epp: int  # compressed entries per page (page_size / ratio)
-    fp8: bool
 
     def state(self, rows: Tensor | None, B: int, block_table: Tensor) -> AttentionState:
-        """The ops' row layout for this step: ring views of slots ``0..B-1`` (``rows=None``) or
-        copies of the ``rows`` slots; the pools gathered through ``block_table [B, P]``."""
+        """This step's state: ring views of slots ``0..B-1`` (``rows=None``) or copies of the
+        ``rows`` slots, and the pages themselves with the step rows' ``block_table [B, P]``."""
         rings = {k: (t[:B] if rows is None else t[rows]) for k, t in self.rings.items()}
-        return AttentionState(**rings, pool=self._gather(self.pool, block_table),
-                              idx_pool=self._gather(self.idx_pool, block_table))
+        return AttentionState(**rings, pool=self.pool, idx_pool=self.idx_pool,
+                              block_table=block_table if self.pool is not None else None)
 
-    def _gather(self, pages: Tensor | None, block_table: Tensor) -> Tensor | None:
-        if pages is None:
-            return None
-        view = pages[block_table.long()]  # [B, P, epp, width]
-        return view if self.fp8 else view.flatten(1, 2)
-
-    def write_back(self, state: AttentionState, rows: Tensor | None, block_table: Tensor, emit: Tensor) -> None:
-        """Store what the step wrote: the pages holding the entries in ``emit [B, E]`` (-1 = none,
-        which goes to the dummy page 0), and, for copied rows, the rings."""
+    def write_back(self, state: AttentionState, rows: Tensor | None) -> None:
+        """Store what the step wrote to copied rings (``rows`` given); the pages were written in place."""
         if rows is not None:
             for k, t in self.rings.items():
                 t.index_copy_(0, rows, getattr(state, k))
-        if self.pool is None:
-            return
-        B = emit.shape[0]
-        logical = torch.where(emit >= 0, emit // self.epp, 0).long()  # [B, E]: the page of each emitted entry
-        physical = torch.where(emit >= 0, block_table.long().gather(1, logical), 0).flatten()
-        batch = torch.arange(B, device=emit.device)[:, None]
-        for pages, view in ((self.pool, state.pool), (self.idx_pool, state.idx_pool)):
-            if pages is not None:
-                src = view.view(B, -1, *pages.shape[1:])[batch, logical]  # [B, E, epp, width]
-                pages.index_copy_(0, physical, src.flatten(0, 1))
 
 
 class PagedKVPool:
@@ -141,7 +121,7 @@ def layer_pages(attn, slots: int, num_pages: int, page_size: int, fp8_cache: boo
     st = attn.new_state(slots, 1, rings or ring_sizes(cfg), dtype, device, fp8_cache)
     rings = {k: getattr(st, k) for k in RING_FIELDS if getattr(st, k) is not None}
     if attn.layer_type == SLIDING:
-        return LayerPages(rings, None, None, 0, fp8_cache)
+        return LayerPages(rings, None, None)
     assert attn.layer_type in (CSA, HCA)
     epp = page_size // attn.ratio
     D, DI = attn.head_dim, cfg.index_head_dim
@@ -149,7 +129,7 @@ def layer_pages(attn, slots: int, num_pages: int, page_size: int, fp8_cache: boo
     idx_pool = None
     if attn.layer_type == CSA:
         idx_pool = _pages(num_pages, epp, DI, fp8.IndexerLayout(DI, epp) if fp8_cache else None, dtype, device)
-    return LayerPages(rings, pool, idx_pool, epp, fp8_cache)
+    return LayerPages(rings, pool, idx_pool)
 
 
 def _pages(num_pages: int, epp: int, width: int, layout, dtype, device) -> Tensor:

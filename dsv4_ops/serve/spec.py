@@ -95,7 +95,7 @@ class SpecSlots(SpeculativeStep):
         meta = plan_step(cfg, torch.where(first, lengths, lengths - 1), n_mtp, C, self.mtp_rings, C > 1)
         state = self.mtp.state(rows, B, table)
         model.mtp[0](mtp_x, model.model.embed_tokens(mtp_ids), meta, state, mtp_ids)
-        self.mtp.write_back(state, rows, table, None)
+        self.mtp.write_back(state, rows)
 
         end = lengths + n_new
         picked = X[torch.arange(B, device=ids.device), (n_new.long() - 1).clamp(min=0)]

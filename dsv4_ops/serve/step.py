@@ -1,5 +1,6 @@
-"""The engine's two compiled steps over the paged pool: both run the model's layers on the ops'
-row layout (``pool.LayerPages.state``) and sample in the graph.
+"""The engine's two compiled steps over the paged pool: both run the model's layers on the pool's
+rings and pages (``pool.LayerPages.state``: the ops address the pages through the block table)
+and sample in the graph.
 
 * decode: ``ids [B, 1]`` for slots ``0..B-1`` (``rows=None``: ring views, no copies), ring mode;
 * prefill: ``ids [B, C]`` for the slots in ``rows [B]`` (their rings copied in and back; padding
@@ -17,7 +18,6 @@ import torch
 from torch import Tensor
 
 from .. import sampling
-from ..config import CSA
 from ..model.plan import plan_step
 from ..sampling import SamplingParams
 from .pool import PagedKVPool
@@ -53,13 +53,12 @@ def slot_rows(pool: PagedKVPool, rows: Tensor | None, B: int) -> tuple[Tensor, T
 
 
 def paged_streams(model, pool: PagedKVPool, ids: Tensor, rows: Tensor | None, meta, table: Tensor) -> Tensor:
-    """The main layers over the paged pool, one layer's pages gathered at a time -> the final
-    residual streams ``[B, C, hc_mult, hidden]``."""
+    """The main layers over the paged pool (pages read and written in place through ``table``)
+    -> the final residual streams ``[B, C, hc_mult, hidden]``."""
     x = model.model.embed_tokens(ids)
     x = x.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     for layer, pages in zip(model.model.layers, pool.layers):
         state = pages.state(rows, ids.shape[0], table)
         x = layer(x, meta, state, ids)
-        emit = meta.plan.csa_emit if layer.self_attn.layer_type == CSA else meta.plan.hca_emit
-        pages.write_back(state, rows, table, emit)
+        pages.write_back(state, rows)
     return x

@@ -21,6 +21,11 @@ block's slots in chunks of ``BLOCK_M`` rows:
   or, into an FP8 pool (``FMT`` 1: KV format, 2: indexer keys; ``dsv4_ops/reference/fp8_cache.py``),
   quantisation in registers and a store of the entry's data and footer-scale rows (indexer keys
   are Hadamard-rotated first, by the same butterfly as the reference).
+
+Paged pools (``PAGED``, a ``block_table [B, P]``; ``dsv4_ops.reference.ops.paged_rows``): the
+entry's page is looked up in the row's block-table row, and dim 0 of the pool is the page, at its
+own stride (which may be padded, as FlashMLA pads FP8 pages to a multiple of 576 bytes). A
+constexpr switch, so the per-row kernel is unchanged.
 """
 from __future__ import annotations
 
@@ -64,9 +69,9 @@ def _store_keys_fp8(y, data, scales, BLOCK_D: tl.constexpr):
 @triton.jit
 def compress_kernel(
     ring_kv_ptr, ring_gate_ptr, new_kv_ptr, new_gate_ptr, start_ptr, emit_ptr,
-    norm_w_ptr, cos_ptr, sin_ptr, pool_ptr,
+    norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, block_table_ptr,
     eps,
-    E, S, R, N, P, d, half, ratio,
+    E, S, R, N, P, d, half, ratio, NUM_PAGES,
     srk_b, srk_r, srk_c,
     srg_b, srg_r, srg_c,
     snk_b, snk_s, snk_c,
@@ -77,9 +82,10 @@ def compress_kernel(
     scos_p, scos_h,
     ssin_p, ssin_h,
     sp_b, sp_n, sp_c,
+    sbt_b, sbt_p,
     PAGE, NOPE, DATA_BYTES, SCALE_BYTES,
     OVERLAP: tl.constexpr, PAR: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    FMT: tl.constexpr, BLOCK_SB: tl.constexpr,
+    FMT: tl.constexpr, BLOCK_SB: tl.constexpr, PAGED: tl.constexpr,
 ):
     pid = tl.program_id(0)  # b * E + e
     b = (pid // E).to(tl.int64)
@@ -143,16 +149,22 @@ def compress_kernel(
         oe = tl.where(rope, ye * c - yo * s, ye)
         oo = tl.where(rope, yo * c + ye * s, yo)
 
+        if PAGED:  # dim 0 of a paged pool is the page: sp_b is the page stride
+            page = tl.load(block_table_ptr + b * sbt_b + (blk // PAGE) * sbt_p).to(tl.int64)
+            page_base = pool_ptr + tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1) * sp_b
+            row = page_base + (blk % PAGE) * sp_n
+        elif FMT == 0:
+            row = pool_ptr + b * sp_b + blk * sp_n
+        else:
+            page_base = pool_ptr + b * sp_b + (blk // PAGE) * sp_n
         if FMT == 0:
             ce = 2 * k - PAR  # channels of the even / odd lanes
             co = ce + 1
-            row = pool_ptr + b * sp_b + blk * sp_n
             ty = pool_ptr.dtype.element_ty
             tl.store(row + ce * sp_c, oe.to(ty), mask=(ce >= 0) & (ce < d))
             tl.store(row + co * sp_c, oo.to(ty), mask=(co >= 0) & (co < d))
         else:  # FP8 page: PAR == 0, so the lanes are the channels
             y = tl.interleave(oe, oo)
-            page_base = pool_ptr + b * sp_b + (blk // PAGE) * sp_n
             data = page_base + (blk % PAGE) * DATA_BYTES
             scales = page_base + PAGE * DATA_BYTES + (blk % PAGE) * SCALE_BYTES
             if FMT == 1:
@@ -186,39 +198,49 @@ def compress_launch(
     ratio: int,
     overlap: bool,
     eps: float,
+    block_table: torch.Tensor | None = None,
 ) -> Launch | None:
-    """The ``compress_kernel`` launch (``None``: nothing to emit). An FP8 ``pool`` (rank-4 uint8)
-    takes the quantising epilogue: the KV layout, or indexer keys when ``entry_bytes == d + 4``."""
+    """The ``compress_kernel`` launch (``None``: nothing to emit). An FP8 ``pool`` (rank-4 uint8,
+    or rank-3 uint8 pages with ``block_table``) takes the quantising epilogue: the KV layout, or
+    indexer keys when ``entry_bytes == d + 4``. ``block_table [B, P]``: ``pool`` is paged,
+    ``[num_pages, page, ...]``."""
     B, E = emit.shape
     c = 2 if overlap else 1
     d = new_kv.shape[-1] // c
     half = cos.shape[-1]
+    paged = block_table is not None
     fmt, page, nope, data_bytes, scale_bytes = 0, 1, 0, 0, 0
-    if pool.dim() == 4:  # FP8: [B, pages, page, entry_bytes]
-        page, eb = pool.shape[2], pool.shape[3]
-        N = pool.shape[1] * page
+    if pool.dtype == torch.uint8:  # FP8: [B, pages, page, entry_bytes] or pages [num_pages, page, entry_bytes]
+        page, eb = pool.shape[-2], pool.shape[-1]
+        N = block_table.shape[1] * page if paged else pool.shape[1] * page
         fmt = 2 if eb == d + 4 else 1
         nope = d if fmt == 2 else d - 2 * half
         data_bytes = d if fmt == 2 else nope + 4 * half
         scale_bytes = eb - data_bytes
-        pool_strides = (pool.stride(0), pool.stride(1), 1)
+        pool_strides = (pool.stride(0), 0 if paged else pool.stride(1), 1)
     else:
-        N = pool.shape[1]
+        page = pool.shape[1] if paged else 1
+        N = block_table.shape[1] * page if paged else pool.shape[1]
         pool_strides = pool.stride()
+    if paged:
+        table, num_pages, table_strides = block_table, pool.shape[0], block_table.stride()
+    else:
+        table, num_pages, table_strides = emit, 0, (0, 0)  # block_table_ptr: never read
     R, S = ring_kv.shape[1], new_kv.shape[1]
     if B * E == 0 or N * d == 0:
         return None
     if S == 0:  # never read (no position is fresh), but the kernel needs real pointers
         new_kv, new_gate = ring_kv, ring_gate
     cfg = compress_config(d, half, ratio, overlap)
-    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool,
+    args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, table,
             float(eps),
-            E, S, R, N, cos.shape[0], d, half, ratio,
+            E, S, R, N, cos.shape[0], d, half, ratio, num_pages,
             *ring_kv.stride(), *ring_gate.stride(), *new_kv.stride(), *new_gate.stride(),
             start.stride(0), *emit.stride(), norm_weight.stride(0), *cos.stride(), *sin.stride(), *pool_strides,
+            *table_strides,
             page, nope, data_bytes, scale_bytes)
     meta = dict(OVERLAP=bool(overlap), PAR=cfg["PAR"], BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
-                FMT=fmt, BLOCK_SB=max(2, next_pow2(scale_bytes)), num_warps=cfg["num_warps"])
+                FMT=fmt, BLOCK_SB=max(2, next_pow2(scale_bytes)), PAGED=paged, num_warps=cfg["num_warps"])
     return Launch((B * E,), args, meta)
 
 

@@ -10,6 +10,9 @@ the keys' bytes, so ``q`` is loaded once per program and ``CHUNK`` sizes the gri
 head to e4m3 with one power-of-two scale folded into ``w[h]`` (``fp8_cache.simulate_queries``;
 exact, as relu and the head sum commute with it); with ``FP8_DOT`` (bf16 queries, sm_89+) the
 codes of both sides meet on the FP8 tensor cores, elsewhere both sides are decoded exactly.
+Paged keys (``KEYS_PAGED``, a ``block_table [B, P]``; ``dsv4_ops.reference.ops.paged_rows``): each
+lane looks its entry's page up in the row's block-table row (dim 0 of the keys is the page, at its
+own, possibly padded, stride); the scores and picks stay indexed by entry, as without pages.
 
 Top-k: one program per query row, exact and deterministic, no sort of the row
 (``topk_row_kernel`` holds a row of up to ``TOPK_ROW`` scores in registers; ``topk_kernel``
@@ -62,19 +65,21 @@ INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
 @triton.jit
 def indexer_scores_kernel(
-    q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, cand_idx_ptr, cand_score_ptr,
-    S, HI, N, TOPK,
+    q_ptr, w_ptr, k_ptr, vis_ptr, out_ptr, cand_idx_ptr, cand_score_ptr, block_table_ptr,
+    S, HI, N, TOPK, NUM_PAGES,
     sq_b, sq_s, sq_h, sq_d,
     sw_b, sw_s, sw_h,
     sk_b, sk_n, sk_d,
     sv_b, sv_s,
     so_b, so_s, so_n,
     sc_b, sc_s, sc_k,
+    sbt_b, sbt_p,
     DI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, UPCAST_DOT: tl.constexpr, KEYS_FP8: tl.constexpr, E4M3_HW: tl.constexpr,
     KEY_PAGE: tl.constexpr,  # FP8 keys a page: static, so the page arithmetic is shifts
     FP8_DOT: tl.constexpr,  # FP8 keys: the dot on e4m3 codes (tensor cores), not on decoded bf16 / fp32
     TOPK_FUSED: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr,
+    KEYS_PAGED: tl.constexpr,  # keys are pages [num_pages, KEY_PAGE, ...] through the block table (sk_b: page stride)
 ):
     """Scores of query token ``pid 0`` over entries ``[pid 1 * CHUNK, +CHUNK)`` into ``out_ptr``
     (``[B, S, N]``, strides ``so_*``). ``TOPK_FUSED`` 0: that is all (``cand_*`` unused).
@@ -123,8 +128,14 @@ def indexer_scores_kernel(
         for start in range(lo, live_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             live = offs_n < live_hi
+            if KEYS_PAGED:  # the page of each entry, from the row's block-table row
+                page = tl.load(block_table_ptr + b * sbt_b + (offs_n // KEY_PAGE) * sbt_p, mask=live, other=0)
+                page_base = k_ptr + tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1).to(tl.int64) * sk_b
             if KEYS_FP8:  # page of entry n: DI code bytes at t * DI, fp32 scale in the footer
-                pbase = key_row0 + (offs_n // KEY_PAGE).to(tl.int64) * sk_n
+                if KEYS_PAGED:
+                    pbase = page_base
+                else:
+                    pbase = key_row0 + (offs_n // KEY_PAGE).to(tl.int64) * sk_n
                 t = offs_n % KEY_PAGE
                 sp = pbase + KEY_PAGE * DI + t * 4
                 if KEYS_FP8 == 2:  # 4-byte aligned: the scale as one fp32, codes as words (or HW: as bytes,
@@ -152,6 +163,11 @@ def indexer_scores_kernel(
                     keys = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
                 else:
                     keys = e4m3_to(code, q_t.dtype, E4M3_HW)
+            elif KEYS_PAGED:
+                keys = tl.load(
+                    page_base[:, None] + (offs_n % KEY_PAGE)[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=live[:, None] & d_mask[None, :], other=0.0,
+                ).to(q_t.dtype)
             else:
                 keys = tl.load(
                     key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
@@ -550,28 +566,31 @@ def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int
 
 def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                   out: torch.Tensor | None = None, *, config: dict | None = None,
-                  candidates: tuple | None = None) -> tuple[torch.Tensor, Launch | None]:
+                  candidates: tuple | None = None,
+                  block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, Launch | None]:
     """``[B, S, N] fp32`` scores and the ``indexer_scores_kernel`` launch that fills them
     (``None``: empty). ``config`` overrides keys of ``indexer_config``. ``candidates``
     ``(cand_idx, cand_scores, topk)``: the fused top-k's launch instead (chunks of
     ``config["TOPK_FUSED"]`` entries, each program's stage-1 picks into the two ``[B, S,
     cdiv(N, chunk) * topk]`` buffers, same strides); ``out`` is then scratch, valid only
-    where visible."""
+    where visible. ``block_table [B, P]``: ``keys`` are pages ``[num_pages, page, ...]``."""
     B, S, HI, DI = q.shape
     fp8, fp8_dot = _fp8_keys(q, keys, config)
-    N = entries(keys)
+    N = entries(keys, block_table)
     if out is None:
         out = torch.empty((B, S, N), dtype=torch.float32, device=q.device)
     if B * S * N == 0:
         return out, None
     cfg = {**indexer_config(B, S, HI, DI, N, 1, sm_count(q.device), backend(), fp8, fp8_dot), **(config or {})}
     keys_fp8 = 0  # 1: FP8 keys read a byte per lane; 2: as 32-bit words (every key 4-byte aligned)
-    if fp8:
-        key_args, page = (keys, keys.stride(0), keys.stride(1), 1), keys.shape[2]
+    paged = block_table is not None
+    if fp8:  # the page stride: dim 1 of [B, pages, page, bytes], dim 0 (sk_b) of paged keys
+        key_args, page = (keys, keys.stride(0), 0 if paged else keys.stride(1), 1), keys.shape[-2]
         keys_fp8 = 2 if DI % 4 == 0 and word_aligned(keys) else 1
     else:
         keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
-        key_args, page = (keys, *keys.stride()), 1
+        key_args, page = (keys, *keys.stride()), keys.shape[1] if paged else 1
+    table_args = (block_table, keys.shape[0], *block_table.stride()) if paged else (visible, 0, 0, 0)
     if candidates is None:  # cand_* unused (TOPK_FUSED 0): the scores again, never accessed
         chunk, cand, topk, cand_strides = cfg["CHUNK"], (out, out), 0, (0, 0, 0)
         fused = dict(TOPK_FUSED=0, KPAD=16, BITS=5, num_warps=cfg["num_warps"])
@@ -583,20 +602,21 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
         cand, cand_strides = (cand_idx, cand_scores), cand_idx.stride()
         fused = dict(TOPK_FUSED=1, KPAD=max(16, next_pow2(topk)), BITS=cfg["TOPK_BITS"],
                      num_warps=cfg.get("fused_warps") or fused_warps(chunk))
-    args = (q, weights, key_args[0], visible, out, *cand,
-            S, HI, N, topk,
-            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), *cand_strides)
+    args = (q, weights, key_args[0], visible, out, *cand, table_args[0],
+            S, HI, N, topk, table_args[1],
+            *q.stride(), *weights.stride(), *key_args[1:], *visible.stride(), *out.stride(), *cand_strides,
+            *table_args[2:])
     return out, Launch((B * S, -(-N // chunk)), args,
                        dict(DI=DI, BLOCK_DI=cfg["BLOCK_DI"], BLOCK_HI=cfg["BLOCK_HI"], BLOCK_N=cfg["BLOCK_N"],
                             CHUNK=chunk, UPCAST_DOT=INTERPRET, KEYS_FP8=keys_fp8,
                             E4M3_HW=cfg["E4M3_HW"] if fp8 else 0, KEY_PAGE=page, FP8_DOT=int(fp8_dot),
-                            num_stages=cfg["num_stages"], **fused))
+                            KEYS_PAGED=paged, num_stages=cfg["num_stages"], **fused))
 
 
 def _fp8_keys(q: torch.Tensor, keys: torch.Tensor, config: dict | None) -> tuple[bool, bool]:
     """``indexer_config``'s ``(keys_fp8, fp8_dot)`` for these queries and keys (``config["FP8_DOT"]``,
     if given, forces the dot)."""
-    fp8 = keys.dim() == 4  # FP8 keys [B, pages, page, DI + 4]
+    fp8 = keys.dtype == torch.uint8  # FP8 keys [B, pages, page, DI + 4] or pages [num_pages, page, DI + 4]
     forced = (config or {}).get("FP8_DOT")
     return fp8, fp8 and bool(fp8_dot_serves(q) if forced is None else forced)
 
@@ -610,8 +630,11 @@ def fp8_dot_serves(q: torch.Tensor) -> bool:
             and not INTERPRET and capability(device_index(q.device)) >= (8, 9))
 
 
-def entries(keys: torch.Tensor) -> int:
-    """Entries of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one."""
+def entries(keys: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+    """Entries of a row of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one;
+    ``P * page`` of pages ``[num_pages, page, ...]`` through ``block_table [B, P]``."""
+    if block_table is not None:
+        return block_table.shape[1] * keys.shape[1]
     return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
 
 
@@ -627,18 +650,19 @@ def _merge_launch(cand_idx: torch.Tensor, cand_scores: torch.Tensor, visible: to
 
 
 def fused_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int,
-                   out: torch.Tensor, scores: torch.Tensor | None, cfg: dict) -> tuple:
+                   out: torch.Tensor, scores: torch.Tensor | None, cfg: dict,
+                   block_table: torch.Tensor | None = None) -> tuple:
     """The fused top-k (``cfg["TOPK_FUSED"]``, the chunk): ``(indexer_scores_kernel launch with
     stage 1 fused in, (stage-2 topk_row_kernel launch,), None)`` -- a group of
     ``IndexerLaunches``; ``scores`` the ``[B, S, N]`` scratch (None: allocated)."""
     B, S = visible.shape
-    N = entries(keys)
+    N = entries(keys, block_table)
     chunk = cfg["TOPK_FUSED"]
     width = -(-N // chunk) * topk
     cand_idx = torch.empty((B, S, width), dtype=torch.int32, device=q.device)
     cand_scores = torch.empty((B, S, width), dtype=torch.float32, device=q.device)
     _, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg,
-                               candidates=(cand_idx, cand_scores, topk))
+                               candidates=(cand_idx, cand_scores, topk), block_table=block_table)
     return scoring, (_merge_launch(cand_idx, cand_scores, visible, out, N, topk, chunk, cfg),), None
 
 
@@ -700,13 +724,15 @@ class IndexerLaunches(NamedTuple):
 
 def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
                      topk: int, out: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
-                     config: dict | None = None, budget: int | None = None) -> IndexerLaunches:
+                     config: dict | None = None, budget: int | None = None,
+                     block_table: torch.Tensor | None = None) -> IndexerLaunches:
     """The output and the launches that fill it, for the arguments of :func:`indexer_topk`
     (an empty pool fills ``out`` with -1 here, and launches nothing). The query tokens go in
     groups whose scores fit ``budget`` bytes (``token_group``; None: ``SCORES_BUDGET_BYTES``,
-    read at call time); a given ``scores`` scratch ``[B, S, N]`` means one group."""
+    read at call time); a given ``scores`` scratch ``[B, S, N]`` means one group. ``block_table
+    [B, P]``: ``keys`` are pages ``[num_pages, page, ...]`` read through it."""
     B, S = visible.shape
-    N = entries(keys)
+    N = entries(keys, block_table)
     if out is None:
         out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     if B * S * topk == 0:
@@ -719,8 +745,9 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
                                 *_fp8_keys(q, keys, config)), **(config or {})}
         if cfg.get("TOPK_FUSED", 0):
-            return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg),))
-        scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg)
+            return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg,
+                                                        block_table),))
+        scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg, block_table=block_table)
         return IndexerLaunches(out, ((scoring, *topk_launches(scores, visible, topk, out, cfg)),))
     scratch = torch.empty((B, G, N), dtype=torch.float32, device=q.device)
     groups = []
@@ -732,18 +759,20 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         # writes the group's rows of out
         if cfg.get("TOPK_FUSED", 0):
             groups.append(fused_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], topk,
-                                         out[:, s0:s1], scratch[:, : s1 - s0], cfg))
+                                         out[:, s0:s1], scratch[:, : s1 - s0], cfg, block_table))
             continue
-        _, scoring = scores_launch(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], out=scratch, config=cfg)
+        _, scoring = scores_launch(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], out=scratch, config=cfg,
+                                   block_table=block_table)
         groups.append((scoring, *topk_launches(scratch[:, : s1 - s0], visible[:, s0:s1], topk, out[:, s0:s1], cfg)))
     return IndexerLaunches(out, tuple(groups))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
-                   out: torch.Tensor | None = None, *, config: dict | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, config: dict | None = None,
+                   block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Raw launcher: ``[B, S, N] fp32`` scores, ``-inf`` for entries ``i >= visible[b, s]``.
     ``config`` overrides keys of ``indexer_config`` (tuning sweeps, tests)."""
-    out, spec = scores_launch(q, weights, keys, visible, out, config=config)
+    out, spec = scores_launch(q, weights, keys, visible, out, config=config, block_table=block_table)
     launch(indexer_scores_kernel, spec)
     return out
 
@@ -760,7 +789,7 @@ def topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, topk: int, out
 
 
 def indexer_topk(*args, **kwargs) -> torch.Tensor:
-    """Raw launcher with the reference signature plus ``out=``, ``scores=`` (the ``[B, S, N]
+    """Raw launcher with the reference signature (``block_table`` by keyword) plus ``out=``, ``scores=`` (the ``[B, S, N]
     fp32`` scratch row buffer), ``config=`` (overrides of ``indexer_config``) and ``budget=``
     (the scratch's bytes): those of :func:`indexer_launches`. Returns ``[B, S, topk] int32``,
     -1 sentinels; ``visible`` is clamped to ``[0, N]`` (the raw-op contract, shared with the

@@ -26,6 +26,12 @@ How it is parallelised (grid ``(B * S, cdiv(H, BLOCK_H), NUM_SPLITS)``):
   rope) and decoded in registers before the dots (``fp8_codec``). The byte loads are inline in
   the kernel body (no pointer passed to a helper), so torch's mutation analysis never takes the
   read-only caches for written ones.
+- Paged compressed pools (``CMP_PAGED``, a ``block_table [B, P]``;
+  ``dsv4_ops.reference.ops.paged_rows``): ``cmp`` is pages ``[num_pages, page, ...]`` shared by
+  the rows, at its own (possibly padded) page stride. A block's compressed entries are translated
+  to physical ones (``page * page_size + slot``) when their indices are read, one block ahead,
+  so the page lookup adds no dependent load in front of the row gather. A constexpr switch, so
+  the per-row kernel is unchanged.
 
 Backends: ROCm (wave64, no wgmma) takes smaller tiles and one stage (:func:`attention_config`);
 the interpreter multiplies through fp32 (``_dot``). Why it stays short of its bytes floor: Triton gives a dot that feeds another dot a layout with
@@ -74,16 +80,34 @@ def _entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
 
 
 @triton.jit
-def _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d):
+def _physical_entry(v, idx, page, lane, W, NUM_PAGES, PAGE: tl.constexpr):
+    """Compressed entries ``idx`` of virtual entries ``v`` (``lane``: in the row's pages) -> their
+    index in the pages seen as one row, ``page * PAGE + slot``, from the looked-up ``page``;
+    -1 for compressed entries off the row's pages; window entries unchanged."""
+    page = tl.minimum(tl.maximum(page, 0), NUM_PAGES - 1)
+    return tl.where(lane, page * PAGE + idx % PAGE, tl.where(v >= W, -1, idx))
+
+
+@triton.jit
+def _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d, offs_d,
+                sc_page, CMP_PAGE: tl.constexpr, CMP_PAGED: tl.constexpr):
     """Row pointers [BLOCK_N, BLOCK_D] (kv for window entries, cmp otherwise) and validity."""
     in_w = v < W
     valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, N_CMP))
     idx64 = idx.to(tl.int64)
-    rows = tl.where(
-        in_w[:, None],
-        kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
-        cmp_row0 + idx64[:, None] * sc_n + offs_d[None, :] * sc_d,
-    )
+    if CMP_PAGED:  # physical entries: page idx // CMP_PAGE at stride sc_page, slot idx % CMP_PAGE
+        cmp_rows = cmp_row0 + (idx64 // CMP_PAGE) * sc_page + (idx64 % CMP_PAGE) * sc_n
+        rows = tl.where(
+            in_w[:, None],
+            kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
+            cmp_rows[:, None] + offs_d[None, :] * sc_d,
+        )
+    else:
+        rows = tl.where(
+            in_w[:, None],
+            kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
+            cmp_row0 + idx64[:, None] * sc_n + offs_d[None, :] * sc_d,
+        )
     return rows, valid
 
 
@@ -103,22 +127,25 @@ def _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT: tl
 @triton.jit
 def sparse_attention_kernel(
     q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, block_table_ptr,
     scale_log2e,
     S, H, N_KV, N_CMP, W, K,
+    CMP_ROWS, NUM_PAGES,  # rows cmp holds (paged: NUM_PAGES * CMP_PAGE; else N_CMP), its pages
     sq_b, sq_s, sq_h, sq_d,
     skv_b, skv_n, skv_d,
     swi_b, swi_s, swi_w,
-    sc_b, sc_n, sc_d,
+    sc_b, sc_n, sc_d, sc_page,
     sci_b, sci_s, sci_k,
     scl_b, scl_s,
     so_b, so_s, so_h, so_d,
+    sbt_b, sbt_p,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8: tl.constexpr, FP8_WORDS: tl.constexpr,
     E4M3_HW: tl.constexpr,
     # the FP8 layout, static so that the page arithmetic is shifts and the row loads' alignment known
     KV_PAGE: tl.constexpr, CMP_PAGE: tl.constexpr, NOPE: tl.constexpr, DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
+    CMP_PAGED: tl.constexpr,  # cmp is pages through the block table (CMP_PAGE entries each; sc_b = 0)
 ):
     pid_t = tl.program_id(0)  # query token b * S + s
     pid_h = tl.program_id(1)  # head block
@@ -153,6 +180,7 @@ def sparse_attention_kernel(
     cmp_row0 = cmp_ptr + b * sc_b
     widx_row = kv_idx_ptr + b * swi_b + s * swi_s
     cidx_row = cmp_idx_ptr + b * sci_b + s * sci_s
+    bt_row = block_table_ptr + b * sbt_b
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -162,20 +190,30 @@ def sparse_attention_kernel(
     # then treats the gather as a direct load and keeps num_stages - 1 blocks of rows in
     # flight (with the index load inside the iteration it counts one level of indirection
     # and keeps one).
+    # The page lookup (CMP_PAGED) is inline, twice: torch's mutation analysis may count a helper's
+    # pointer arguments as written, and the block table is a graph input.
     v_next = lo + tl.arange(0, BLOCK_N)
     idx_next = _entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
+    if CMP_PAGED:
+        lane = (v_next >= W) & (idx_next >= 0) & (idx_next < N_CMP)
+        page = tl.load(bt_row + (idx_next // CMP_PAGE) * sbt_p, mask=lane, other=0)
+        idx_next = _physical_entry(v_next, idx_next, page, lane, W, NUM_PAGES, CMP_PAGE)
     for start in range(lo, hi, BLOCK_N):
         v = v_next
         idx = idx_next
         v_next = v + BLOCK_N
         idx_next = _entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
+        if CMP_PAGED:
+            lane = (v_next >= W) & (idx_next >= 0) & (idx_next < N_CMP)
+            page = tl.load(bt_row + (idx_next // CMP_PAGE) * sbt_p, mask=lane, other=0)
+            idx_next = _physical_entry(v_next, idx_next, page, lane, W, NUM_PAGES, CMP_PAGE)
         if FP8 == 0:
-            rows, valid = _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d,
-                                      offs_d)
+            rows, valid = _entry_rows(v, idx, hi, W, N_KV, CMP_ROWS, kv_row0, skv_n, skv_d, cmp_row0, sc_n, sc_d,
+                                      offs_d, sc_page, CMP_PAGE, CMP_PAGED)
             e = tl.load(rows, mask=valid[:, None] & d_mask[None, :], other=0.0).to(q.dtype)
         else:
             in_w = v < W
-            valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, N_CMP))
+            valid = (v < hi) & (idx >= 0) & (idx < tl.where(in_w, N_KV, CMP_ROWS))
             idx64 = idx.to(tl.int64)
             # FP8 lanes: page base, slot in page, footer (window lanes too when FP8 == 2)
             if FP8 == 2:
@@ -368,13 +406,22 @@ def attention_launches(
     num_splits: int | None = None,
     config: dict | None = None,
     max_entries: int | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> AttentionLaunches:
-    """The output and the launches that fill it, for the arguments of :func:`sparse_attention`."""
+    """The output and the launches that fill it, for the arguments of :func:`sparse_attention`
+    (``block_table [B, P]``: ``cmp`` is pages ``[num_pages, page, ...]`` read through it)."""
     B, S, H, D = q.shape
     W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
-    kv8, cmp8 = kv.dim() == 4, cmp.dim() == 4  # FP8 paged caches [B, pages, page, entry_bytes]
+    paged = block_table is not None
+    # FP8 caches: [B, pages, page, entry_bytes], or cmp as pages [num_pages, page, entry_bytes]
+    kv8, cmp8 = kv.dim() == 4, cmp.dim() == 4 or (paged and cmp.dtype == torch.uint8)
     N_KV = kv.shape[1] * kv.shape[2] if kv8 else kv.shape[1]
-    N_CMP = cmp.shape[1] * cmp.shape[2] if cmp8 else cmp.shape[1]
+    if paged:
+        N_CMP = block_table.shape[1] * cmp.shape[1]
+    else:
+        N_CMP = cmp.shape[1] * cmp.shape[2] if cmp8 else cmp.shape[1]
+    if N_CMP == 0:  # no compressed entries: nothing to look up
+        paged = False
     sink = sink.contiguous()
     if kv8 and not cmp8:
         if N_CMP:
@@ -386,12 +433,12 @@ def attention_launches(
         raise ValueError(f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
     fp8 = 2 if kv8 else (1 if cmp8 else 0)
     page_kv = kv.shape[2] if kv8 else 1
-    page_cmp = cmp.shape[2] if cmp8 else 1
+    page_cmp = cmp.shape[1] if paged else (cmp.shape[2] if cmp8 else 1)
     nope = data_bytes = scale_bytes = fp8_words = 0
     if cmp8:
         rope = _rope_of(cmp, D)
         nope, data_bytes = D - rope, D + rope
-        scale_bytes = cmp.shape[3] - data_bytes
+        scale_bytes = cmp.shape[-1] - data_bytes
     # the word-wide FP8 reader (fp8_codec.load_kv_entries): rope within one 64-channel block,
     # every entry 4-byte aligned (storage offsets, page / batch strides and the data width)
     fp8_words = int(cmp8 and D - nope <= 64 and data_bytes % 4 == 0
@@ -417,6 +464,12 @@ def attention_launches(
         kv_idx = cmp_len[..., None]
     if K == 0:
         cmp_idx = cmp_len[..., None]
+    if paged:  # dim 0 of the pages is the page (sc_page); FP8 pages address entries from the page base
+        cmp_strides = (0, cmp.stride(0), 1, cmp.stride(0)) if cmp8 else (0, cmp.stride(1), cmp.stride(2), cmp.stride(0))
+        table = (block_table, cmp.shape[0] * page_cmp, cmp.shape[0], *block_table.stride())
+    else:  # block_table_ptr: never read
+        cmp_strides = (*_row_strides(cmp), 0)
+        table = (cmp_len, N_CMP, 0, 0, 0)
     if splits > 1:
         part_m = torch.empty((B * S, splits, H), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -425,12 +478,13 @@ def attention_launches(
         part_m = part_l = part_acc = out  # unused
     attention = Launch(
         (B * S, -(-H // cfg["BLOCK_H"]), splits),
-        (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc,
+        (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, table[0],
          float(scale) * LOG2E,
-         S, H, N_KV, N_CMP, W, K,
-         *q.stride(), *_row_strides(kv), *kv_idx.stride(), *_row_strides(cmp), *cmp_idx.stride(),
-         *cmp_len.stride(), *out.stride()),
+         S, H, N_KV, N_CMP, W, K, *table[1:3],
+         *q.stride(), *_row_strides(kv), *kv_idx.stride(), *cmp_strides, *cmp_idx.stride(),
+         *cmp_len.stride(), *out.stride(), *table[3:]),
         dict(KV_PAGE=page_kv, CMP_PAGE=page_cmp, NOPE=nope, DATA_BYTES=data_bytes, SCALE_BYTES=scale_bytes,
+             CMP_PAGED=paged,
              D=D, BLOCK_D=cfg["BLOCK_D"], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
              NUM_SPLITS=splits, UPCAST_DOT=INTERPRET, FP8=fp8, FP8_WORDS=fp8_words if fp8 else 0,
              E4M3_HW=cfg.get("E4M3_HW", e4m3_hw(backend())) if fp8 else 0,
@@ -458,9 +512,9 @@ def _rope_of(cache: torch.Tensor, D: int) -> int:
     """Rope dims of an FP8 KV cache of ``D``-wide entries (``fp8_cache.KVLayout.of``'s rule)."""
     for nope in range(0, D + 1, 64):
         rope = D - nope
-        if nope + 2 * rope + -(-(nope // 64) // 8) * 8 == cache.shape[3]:
+        if nope + 2 * rope + -(-(nope // 64) // 8) * 8 == cache.shape[-1]:
             return rope
-    raise ValueError(f"sparse_attention: no FP8 KV layout of {D}-wide entries has {cache.shape[3]} bytes per entry")
+    raise ValueError(f"sparse_attention: no FP8 KV layout of {D}-wide entries has {cache.shape[-1]} bytes per entry")
 
 
 def sparse_attention(*args, **kwargs) -> torch.Tensor:

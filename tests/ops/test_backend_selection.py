@@ -62,7 +62,7 @@ RESULTS = {
     "plan": lambda *a: tuple(a[0].new_empty(s, dtype=torch.int32) for s in _plan_shapes(*a)),
     "cache_write": lambda *a: None,
     "compress": lambda *a: None,
-    "indexer_topk": lambda q, w, k, v, topk: q.new_empty((*v.shape, topk), dtype=torch.int32),
+    "indexer_topk": lambda q, w, k, v, topk, block_table=None: q.new_empty((*v.shape, topk), dtype=torch.int32),
     "sparse_attention": lambda q, *a: q.new_empty(q.shape),
 }
 # op -> the kernels its Triton branch launches for the inputs of call_every_op

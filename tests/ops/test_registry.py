@@ -72,13 +72,13 @@ class TestSchemas(expecttest.TestCase):
     def test_schemas(self):
         ops = torch.ops.dsv4
         self.assertExpectedInline(str(ops.plan.default._schema), """dsv4::plan(Tensor lengths, Tensor n_new, SymInt num_tokens, SymInt steps, SymInt window, SymInt win_ring, bool win_concat, SymInt csa_ratio, SymInt csa_ring, SymInt hca_ratio, SymInt hca_ring) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)""")
-        self.assertExpectedInline(str(ops.cache_write.default._schema), """dsv4::cache_write(Tensor(a0!) cache, Tensor values, Tensor slots) -> ()""")
-        self.assertExpectedInline(str(ops.compress.default._schema), """dsv4::compress(Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, Tensor start, Tensor emit, Tensor norm_weight, Tensor cos, Tensor sin, Tensor(a9!) pool, SymInt ratio, bool overlap, float eps) -> ()""")
-        self.assertExpectedInline(str(ops.indexer_topk.default._schema), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor visible, SymInt topk) -> Tensor""")
+        self.assertExpectedInline(str(ops.cache_write.default._schema), """dsv4::cache_write(Tensor(a0!) cache, Tensor values, Tensor slots, Tensor? block_table=None) -> ()""")
+        self.assertExpectedInline(str(ops.compress.default._schema), """dsv4::compress(Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, Tensor start, Tensor emit, Tensor norm_weight, Tensor cos, Tensor sin, Tensor(a9!) pool, SymInt ratio, bool overlap, float eps, Tensor? block_table=None) -> ()""")
+        self.assertExpectedInline(str(ops.indexer_topk.default._schema), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor keys, Tensor visible, SymInt topk, Tensor? block_table=None) -> Tensor""")
         self.assertExpectedInline(str(ops.gemv.default._schema), """dsv4::gemv(Tensor x, Tensor weight) -> Tensor""")
         self.assertExpectedInline(str(ops.moe_gemv.default._schema), """dsv4::moe_gemv(Tensor x, Tensor indices, Tensor weights, Tensor w13, Tensor w2, float limit) -> Tensor""")
         self.assertExpectedInline(str(ops.sinkhorn.default._schema), """dsv4::sinkhorn(Tensor comb, SymInt iters, float eps) -> Tensor""")
-        self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
+        self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale, Tensor? block_table=None) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention_sm90.default._schema), """dsv4::sparse_attention_sm90(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
         if NATIVE:
             self.assertExpectedInline(str(ops.topk_rows_cuda.default._schema), """dsv4::topk_rows_cuda(Tensor scores, Tensor visible, int topk) -> Tensor""")

@@ -1,6 +1,7 @@
 """The paged pool is the per-row pool re-addressed: with shuffled, non-contiguous page ids, every
 step's logits equal the contiguous pool's (``model.setup_caches`` + the cached step) bit for bit
-when the step shapes match, for float and FP8 caches."""
+when the step shapes match, for float and FP8 caches (the FP8 pages at FlashMLA's padded page
+stride, as an engine allocating its pools FlashMLA's way hands them over)."""
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from dsv4_ops.sampling import SamplingParams
 from dsv4_ops.serve.pool import PagedKVPool
 from dsv4_ops.serve.prefix_cache import OutOfPages, PageAllocator
 from dsv4_ops.serve.step import pool_step
+from paged_cases import fp8_pages
 
 # MAX_LEN 512: the per-row FP8 pools are whole 64-entry pages (as many entries as the paged view holds)
 PAGE, CHUNK, MAX_LEN = 32, 16, 512
@@ -25,6 +27,11 @@ def _greedy(B):
 def _paged_pool(model, kv_cache_dtype, rows, rng):
     pages_per_row = MAX_LEN // PAGE
     pool = PagedKVPool(model, rows + 1, MAX_LEN, rows * pages_per_row + 1, PAGE, kv_cache_dtype)
+    if kv_cache_dtype == "fp8":  # FlashMLA's allocation: every page's bytes padded to a multiple of 576
+        for lp in pool.layers:
+            for name in ("pool", "idx_pool"):
+                if getattr(lp, name) is not None:
+                    setattr(lp, name, fp8_pages(*getattr(lp, name).shape))
     ids = list(range(1, pool.num_pages))
     rng.shuffle(ids)  # every row's pages scattered over the pool, in no order
     pool.block_table[:rows] = torch.tensor(ids, dtype=torch.int32).view(rows, pages_per_row)

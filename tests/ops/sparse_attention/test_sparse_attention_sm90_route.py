@@ -73,3 +73,25 @@ def test_the_gluon_launchers_split_as_the_triton_kernel(B, window, pool):
     splits = attention_config(B, 1, 64, 512, 128 + 512)["NUM_SPLITS"]
     assert launches[0][1] == (B, splits) and launches[0][3]["NUM_SPLITS"] == splits
     assert [k for k, *_ in launches[1:]] == ([combine_kernel] if splits > 1 else [])
+
+
+def test_a_paged_pool_keeps_the_triton_kernel(monkeypatch):
+    """A compressed pool read through a block table never takes the Gluon route (its producers gather a
+    row's entries from one base pointer; ``attention_sm90.applies`` says why), where the same call over
+    a per-row pool would: an sm_90 device with Gluon stood in for, fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(sm90, "_enabled", True)
+    monkeypatch.setattr(sm90, "gluon_available", lambda: True)
+    monkeypatch.setattr(sm90, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(sm90, "device_index", lambda device: 0)
+    B, H, D = 2, 64, 512
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        cuda = dict(device="cuda:0")
+        q, kv = torch.empty(B, 1, H, D, dtype=torch.bfloat16, **cuda), torch.empty(B, 256, D, dtype=torch.bfloat16, **cuda)
+        idx = (torch.empty(B, 1, 128, dtype=I32, **cuda), torch.empty(B, 1, 512, dtype=I32, **cuda),
+               torch.empty(B, 1, dtype=I32, **cuda))
+        rows, pages = (torch.empty(B, 2048, D, dtype=torch.bfloat16, **cuda),
+                       torch.empty(65, 64, D, dtype=torch.bfloat16, **cuda))
+        assert sm90.applies(q, kv, idx[0], rows, idx[1], idx[2])
+        assert not sm90.applies(q, kv, idx[0], pages, idx[1], idx[2], torch.empty(B, 32, dtype=I32, **cuda))
