@@ -84,6 +84,8 @@ def test_chunk_buckets_replay_for_new_prompt_lengths_and_give_the_eager_tokens(s
     eager = Generator(model, compile=False, prefill_chunk=32, **kw)
     want = [eager.generate(p, max_new_tokens=8) for p in warm + others]
 
+    # a graph another test of this process compiled for a model of the same shapes would serve this one
+    torch._dynamo.reset()
     gen = Generator(model, compile=True, cuda_graphs=True, spec_steps=spec_steps, _chunk_buckets=(8, 32, 128), **kw)
     counters.clear()
     got = [gen.generate(p, max_new_tokens=8) for p in warm]  # compile + record
