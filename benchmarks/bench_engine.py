@@ -15,7 +15,7 @@ through the public calls (issue #44's GPU numbers):
   would need;
 * CUDA-graph replays, recompiles and graph breaks after warm-up (the engine's ``stats``).
 
-    python3 benchmarks/bench_engine.py --config flash-slice --out out/bench_engine.json   # GPU (gpu_check.sh engine)
+    python3 benchmarks/bench_engine.py --config flash-slice --out out/bench_engine.json   # GPU (gpu_check.sh serve runs it)
     python3 benchmarks/bench_engine.py --smoke --out /tmp/engine.json                       # tiny config, eager, CPU
 """
 from __future__ import annotations
