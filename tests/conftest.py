@@ -21,7 +21,21 @@ Fixtures:
 """
 import os
 
-import torch  # importing torch does not import triton, so the variable below is still in time
+# ``make test`` runs pytest-xdist workers side by side on CI's 2 cores: each worker's OpenMP pool (ATen's
+# CPU ops, Inductor's and AOTInductor's C++ kernels) gets its share of the cores. With more threads than
+# that, every parallel region waits for a thread whose core the other worker holds: a compiled tiny-model
+# decode step took 14 ms with 2 threads vs 1.6 ms with 1 while another process kept one core busy.
+# An OMP_NUM_THREADS already set wins; tests' subprocesses inherit the setting.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = None
+if _XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _THREADS = max(1, (os.cpu_count() or 1) // _XDIST_WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+import torch  # noqa: E402  (importing torch does not import triton, so the variable below is still in time)
+
+if _THREADS is not None:
+    torch.set_num_threads(_THREADS)  # in case a plugin imported torch before this file
 
 if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU; must be set before triton is imported.

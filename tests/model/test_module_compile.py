@@ -98,17 +98,17 @@ def test_compiled_module_equals_eager_both_entry_points_no_breaks_no_recompiles(
     compiled = torch.compile(model, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(3)
 
-    # 1. cache-free forward, two prompt lengths (each its own static shape)
-    for S in (9, 21):
-        ids = torch.randint(0, CFG.vocab_size, (B, S), generator=g)
-        with torch.no_grad():
-            torch.testing.assert_close(compiled(ids), model(ids), **tol("compiled_vs_eager_fp32"))
+    # 1. cache-free forward: 21 tokens pass the window (16) and close 5 CSA and 2 HCA blocks, with a
+    # partial block of each (a static shape: every other length is a graph of the same code)
+    ids = torch.randint(0, CFG.vocab_size, (B, 21), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids), **tol("compiled_vs_eager_fp32"))
 
     # 2. cached step: warm-up compiles the prefill chunk and the decode step once each
     warm_prompts = [[1, 2, 3], list(range(20))]
     run_cached(compiled, model, warm_prompts, [[5, 6]])
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 4  # 2 cache-free shapes + prefill chunk + decode
+    assert graphs == 3  # cache-free forward + prefill chunk + decode
 
     # new prompt lengths (more chunks), 70 decode steps (window 16 and HCA rate 8 crossed many times)
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (37, 5)]

@@ -17,9 +17,10 @@ PAGE, CHUNK = 32, 16  # the tiny config's rates are 4 and 16: a 32-position page
 MAX_LEN = 256
 
 
-def tiny_model(seed: int = 0) -> DeepseekV4ForCausalLM:
+def tiny_model(seed: int = 0, **config) -> DeepseekV4ForCausalLM:
+    """A random-weight ``DSV4Config.tiny(**config)`` model."""
     torch.manual_seed(seed)
-    return DeepseekV4ForCausalLM(DSV4Config.tiny()).eval()
+    return DeepseekV4ForCausalLM(DSV4Config.tiny(**config)).eval()
 
 
 def engine(model, **kw) -> Engine:

@@ -11,7 +11,9 @@ from engine_cases import CHUNK, engine, random_prompts, run_arriving, text_promp
 @pytest.mark.parametrize("spec_steps", [0, 1])
 def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps(spec_steps):
     torch._dynamo.reset()
-    model = tiny_model(2)
+    # sliding + CSA + HCA, one layer each: every layer kind is in the graphs, with less to compile
+    # than the default config's four layers (its fourth is a second CSA layer)
+    model = tiny_model(2, num_hidden_layers=3)
     rng = random.Random(21)
     reqs = [dict(prompt_ids=p, max_new_tokens=rng.randint(10, 30)) for p in random_prompts(rng, 24, (1, 60))]
     # two slots, one prefill row: the graphs are prefill [1, CHUNK] and decode [1, 1] / [2, 1] (speculative:
