@@ -181,20 +181,7 @@ def pytest_configure(config):
                                        "process (tools/gpu_check.sh tests), not under xdist")
 
 
-# The files whose compiles take longest on CI's 2 cores (several minutes each, cold): collected first, so that
-# `--dist loadfile` starts them early and a run does not end with one worker finishing a long file alone. A stale
-# entry costs time, never a result.
-LONG_FILES = ("serve/test_engine_compiled.py", "project/test_readme_and_examples.py", "export/test_export.py",
-              "runtime/test_compile_model.py", "runtime/test_prefill_buckets.py", "model/test_module_compile.py")
-
-
-def _long_first(item) -> int:
-    path = item.path.as_posix()
-    return next((i for i, name in enumerate(LONG_FILES) if path.endswith(name)), len(LONG_FILES))
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_long_first)  # stable: each file keeps its own order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu); torch.cuda.is_available() is False")
