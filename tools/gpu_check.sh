@@ -2,7 +2,8 @@
 # The GPU check on the GPU box (the device tool runs it in the checkout):  bash tools/gpu_check.sh MODE [MODE ...]
 #
 #   tests   the `gpu` tests (pytest -m gpu, xdist), the Triton kernels' tests on this GPU, then the demo; with $TESTS
-#           (test files) those files only, gpu and cpu tests alike                       -> gpu_tests.log, demo.log
+#           (test files) those files only, gpu and cpu tests alike (the kernel tests: *_kernels.py and *_paged.py)
+#                                                                                       -> gpu_tests.log, demo.log
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
 #           grid (benchmarks/bench_model.py, bench_spec.py)                      -> bench_flash.*, bench_model.*
@@ -78,7 +79,7 @@ for what in "$@"; do
       # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
       # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker. Then the
       # Triton kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
-      kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/test_triton_interp*.py 2>/dev/null)
+      kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/ops/*/test_*_paged.py tests/test_triton_interp*.py 2>/dev/null)
       { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
         OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} \
           -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1
