@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..config import CSA, HCA, SLIDING, DSV4Config
 from ..reference import fp8_cache as fp8
-from ..reference.ops import apply_rope, rms_norm
+from ..reference.ops import apply_rope, physical_entries, rms_norm
 from .linear import Linear, grouped_linear
 from .plan import RingSizes, StepMeta, ring_sizes
 
@@ -338,10 +338,8 @@ def _simulate_rows(pool: Tensor, slots: Tensor, simulate, block_table: Tensor | 
     just written at ``slots [B, E]`` (-1 = none) become ``simulate(rows)``, what an FP8 pool would
     give back."""
     B, E = slots.shape
-    safe = slots.clamp(min=0).long()
     if block_table is None:
-        rows = torch.gather(pool, 1, safe[..., None].expand(B, E, pool.shape[-1]))
-    else:
-        page = pool.shape[1]
-        rows = pool[block_table.long().gather(1, (safe // page).clamp(max=block_table.shape[1] - 1)), safe % page]
+        rows = torch.gather(pool, 1, slots.clamp(min=0).long()[..., None].expand(B, E, pool.shape[-1]))
+    else:  # the pages as one row of entries
+        rows = pool.flatten(0, 1)[physical_entries(slots, block_table, pool).clamp(min=0)]
     dsv4.cache_write(pool, simulate(rows).to(pool.dtype), slots, block_table)

@@ -129,7 +129,7 @@ def _check_arguments(
         v.floating(op, name, t)
     v.at_least(op, "ratio", ratio, 1)
     c = 2 if overlap else 1
-    B, N = (block_table.shape[0], v.entries(pool, block_table)) if paged else (pool.shape[0], v.entries(pool))
+    B = block_table.shape[0] if paged else pool.shape[0]
     if pool8:
         d = new_kv.shape[-1] // c
         if pool.dim() == (3 if paged else 4) and pool.shape[-1] == d + 4:

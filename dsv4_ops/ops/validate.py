@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
+from ..reference.fp8_cache import entries  # noqa: F401  (the ops' checks count a cache's entries with it)
+
 def fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
@@ -108,14 +110,6 @@ def block_table(op: str, table: Tensor, pages: Tensor, name: str = "block_table"
     if pages.dtype == torch.uint8 and pages.dim() == 3 and (pages.stride(2) != 1 or pages.stride(1) != pages.shape[2]):
         fail(op, f"an FP8 page must be its entries' bytes back to back (stride(1) = entry_bytes = {pages.shape[2]}, "
                  f"stride(2) = 1), got strides {pages.stride()}")
-
-
-def entries(t: Tensor, table: Tensor | None = None) -> int:
-    """Rows of a ring / pool: ``N`` of ``[B, N, C]``, ``pages * page`` of an FP8 cache; through a
-    block table ``[B, P]``, ``P * page`` of ``[num_pages, page, ...]`` pages."""
-    if table is not None:
-        return table.shape[1] * t.shape[1]
-    return t.shape[1] * t.shape[2] if t.dtype == torch.uint8 and t.dim() == 4 else t.shape[1]
 
 
 # ---- metadata checks: once per signature ------------------------------------------------
@@ -251,7 +245,8 @@ def distinct_per_row_check(op: str, name: str, idx: Tensor) -> ValueCheck:
     return ValueCheck((dup.any(),), lambda values: not values[0], functools.partial(distinct_per_row, op, name, idx))
 
 
-def block_table_checks(op: str, table: Tensor | None, pages: Tensor, name: str = "block_table") -> tuple[ValueCheck, ...]:
+def block_table_checks(op: str, table: Tensor | None, pages: Tensor,
+                       name: str = "block_table") -> tuple[ValueCheck, ...]:
     """Every entry of a block table names one of the pool's pages (no check without a table)."""
     if table is None:
         return ()

@@ -24,7 +24,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import store_kv_entry
-from .launch import Launch, launch, next_pow2
+from .launch import Launch, block_table_args, launch, next_pow2
 
 __all__ = ["cache_write", "cache_write_kernel", "cache_write_config", "cache_write_launch",
            "fp8_cache_write_kernel", "fp8_cache_write_launch"]
@@ -99,12 +99,10 @@ def fp8_cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: tor
         return None
     nope = D - rope
     if block_table is None:
-        P, page = cache.shape[1], cache.shape[2]
-        pages = (slots, 0, cache.stride(0), cache.stride(1), 0, 0)  # block_table_ptr: never read
-    else:
-        P, page = block_table.shape[1], cache.shape[1]
-        pages = (block_table, cache.shape[0], 0, cache.stride(0), *block_table.stride())
-    table, num_pages, sc_b, sc_p, sbt_b, sbt_p = pages
+        P, page, sc_b, sc_p = cache.shape[1], cache.shape[2], cache.stride(0), cache.stride(1)
+    else:  # dim 0 of the pages is the page
+        P, page, sc_b, sc_p = block_table.shape[1], cache.shape[1], 0, cache.stride(0)
+    table, num_pages, sbt_b, sbt_p = block_table_args(block_table, cache, slots)
     return Launch((B * S,), (cache, values, slots, table, S, P * page, page, nope, rope, data_bytes, scale_bytes,
                              num_pages, sc_b, sc_p, *values.stride(), *slots.stride(), sbt_b, sbt_p),
                   dict(BLOCK_D=max(64, next_pow2(D)), BLOCK_SB=max(2, next_pow2(scale_bytes)),
@@ -123,11 +121,9 @@ def cache_write_launch(cache: torch.Tensor, values: torch.Tensor, slots: torch.T
     through ``block_table [B, P]`` (``None``: nothing to write)."""
     B, S = slots.shape
     C = cache.shape[2]
-    if block_table is None:
-        N, page, table, num_pages, sbt = cache.shape[1], 0, slots, 0, (0, 0)  # block_table_ptr: never read
-    else:
-        N, page, table, num_pages, sbt = block_table.shape[1] * cache.shape[1], cache.shape[1], block_table, \
-            cache.shape[0], block_table.stride()
+    page = 0 if block_table is None else cache.shape[1]  # 0: the per-row layout
+    N = cache.shape[1] if block_table is None else block_table.shape[1] * page
+    table, num_pages, *sbt = block_table_args(block_table, cache, slots)
     if B * S * C == 0 or N == 0:
         return None
     cfg = cache_write_config(C)

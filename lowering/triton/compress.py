@@ -36,7 +36,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import e4m3_encode, pow2, scale_exponent, store_kv_entry
-from .launch import Launch, launch, next_pow2
+from .launch import Launch, block_table_args, launch, next_pow2
 
 __all__ = ["compress", "compress_kernel", "compress_config", "compress_launch"]
 
@@ -222,10 +222,7 @@ def compress_launch(
         page = pool.shape[1] if paged else 1
         N = block_table.shape[1] * page if paged else pool.shape[1]
         pool_strides = pool.stride()
-    if paged:
-        table, num_pages, table_strides = block_table, pool.shape[0], block_table.stride()
-    else:
-        table, num_pages, table_strides = emit, 0, (0, 0)  # block_table_ptr: never read
+    table, num_pages, *table_strides = block_table_args(block_table, pool, emit)
     R, S = ring_kv.shape[1], new_kv.shape[1]
     if B * E == 0 or N * d == 0:
         return None

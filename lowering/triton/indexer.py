@@ -54,7 +54,8 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bytes_of_words, e4m3_encode, e4m3_hw, e4m3_to, pow2, scale_exponent, word_aligned
-from .launch import Launch, backend, cached_config, capability, device_index, launch, next_pow2, sm_count
+from .launch import (Launch, backend, block_table_args, cached_config, capability, device_index, launch, next_pow2,
+                     sm_count)
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
            "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
@@ -590,7 +591,7 @@ def scores_launch(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, vi
     else:
         keys = keys.to(q.dtype) if keys.dtype != q.dtype else keys
         key_args, page = (keys, *keys.stride()), keys.shape[1] if paged else 1
-    table_args = (block_table, keys.shape[0], *block_table.stride()) if paged else (visible, 0, 0, 0)
+    table_args = block_table_args(block_table, keys, visible)
     if candidates is None:  # cand_* unused (TOPK_FUSED 0): the scores again, never accessed
         chunk, cand, topk, cand_strides = cfg["CHUNK"], (out, out), 0, (0, 0, 0)
         fused = dict(TOPK_FUSED=0, KPAD=16, BITS=5, num_warps=cfg["num_warps"])

@@ -57,6 +57,15 @@ def capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))
 
 
+def block_table_args(block_table: torch.Tensor | None, pages: torch.Tensor, unused: torch.Tensor) -> tuple:
+    """A launch's block-table arguments ``(pointer, num_pages, stride_b, stride_p)`` for ``pages
+    [num_pages, page, ...]``; without a block table (the per-row layout) ``unused``, any tensor of
+    the launch, stands in for the pointer the kernel's constexpr switch never reads, and the rest are 0."""
+    if block_table is None:
+        return unused, 0, 0, 0
+    return block_table, pages.shape[0], *block_table.stride()
+
+
 def cached_config(config: Callable[..., dict]) -> Callable[..., dict]:
     """Memoise a launch-configuration function (a pure function of ints, strings and dtypes)
     for eager calls, which otherwise recompute it on every launch; each call gets its own copy

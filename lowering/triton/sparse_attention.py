@@ -50,7 +50,7 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2, word_aligned
-from .launch import Launch, backend, cached_config, launch, next_pow2, sm_count
+from .launch import Launch, backend, block_table_args, cached_config, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
            "sparse_attention_kernel", "combine_kernel", "AttentionLaunches"]
@@ -466,10 +466,10 @@ def attention_launches(
         cmp_idx = cmp_len[..., None]
     if paged:  # dim 0 of the pages is the page (sc_page); FP8 pages address entries from the page base
         cmp_strides = (0, cmp.stride(0), 1, cmp.stride(0)) if cmp8 else (0, cmp.stride(1), cmp.stride(2), cmp.stride(0))
-        table = (block_table, cmp.shape[0] * page_cmp, cmp.shape[0], *block_table.stride())
-    else:  # block_table_ptr: never read
+    else:
         cmp_strides = (*_row_strides(cmp), 0)
-        table = (cmp_len, N_CMP, 0, 0, 0)
+    ptr, *table_rest = block_table_args(block_table, cmp, cmp_len)
+    table = (ptr, cmp.shape[0] * page_cmp if paged else N_CMP, *table_rest)
     if splits > 1:
         part_m = torch.empty((B * S, splits, H), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
