@@ -22,6 +22,9 @@ __all__ = ["route_layout", "experts_grouped_mm", "experts_blocked", "grouped_mm_
 # loop that reads the offsets on the host (a sync; no CUDA graphs), and its fake kernel accepts bf16
 # only, so other dtypes would not even trace. ROCm: the portable path (DESIGN rule 6).
 _GROUPED_MM_ARCHS = (9, 10)
+# AOTInductor calls torch._grouped_mm through a C shim that torch ships from 2.12 on; an exported
+# program on an older torch takes the blocked path (its generated C++ would not compile).
+_AOTI_HAS_GROUPED_MM = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
 @torch._dynamo.assume_constant_result
@@ -33,8 +36,10 @@ def _cuda_arch_has_grouped_mm(device_index: int) -> bool:
 
 def grouped_mm_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
     """Whether ``experts_grouped_mm`` serves these tensors: static facts only (device, dtype,
-    16-byte aligned rows), so the choice is fixed while tracing."""
+    16-byte aligned rows, whether torch.export traces), so the choice is fixed while tracing."""
     if not (x.is_cuda and x.dtype == w13.dtype == w2.dtype == torch.bfloat16):
+        return False
+    if torch.compiler.is_exporting() and not _AOTI_HAS_GROUPED_MM:
         return False
     if w13.shape[-1] % 8 or w2.shape[-1] % 8:
         return False

@@ -146,3 +146,29 @@ def test_fp8_cache_package_on_cuda_equals_the_graphed_fp8_generator(tmp_path) ->
     assert kv_cache_dtype == "fp8"
     assert tokens == want
     assert replays >= NEW_TOKENS - 2
+
+
+def test_bf16_package_compiles_the_grouped_gemm_experts_and_equals_eager(tmp_path, tol) -> None:
+    """bf16 on sm_90: a prefill chunk's (token, expert) assignments (4 rows x 16 tokens x top-2 = 128,
+    more than the GEMV kernels take) go to ``torch._grouped_mm``, which AOTInductor calls through a
+    C shim only from torch 2.12 on. The package compiles on any supported torch, and its prefill
+    logits are the eager Generator's (which runs the grouped GEMMs) to bf16 rounding."""
+    from dsv4_ops.lowering.aten import experts
+    from dsv4_ops.lowering.triton.moe_gemv import MAX_ASSIGNMENTS
+    E, D, inner = CFG.n_routed_experts, CFG.hidden_size, CFG.moe_intermediate_size
+    x = torch.zeros(1, D, dtype=torch.bfloat16, device="cuda")
+    w13 = x.new_zeros(E, 2 * inner, D)
+    if not experts.grouped_mm_supported(x, w13, x.new_zeros(E, D, inner)):
+        pytest.skip("torch._grouped_mm has no fast kernel on this GPU: the eager path is the blocked one too")
+    assert LIMITS["max_batch_size"] * LIMITS["prefill_chunk"] * CFG.num_experts_per_tok > MAX_ASSIGNMENTS
+    model = random_model(CFG, dtype=torch.bfloat16, device="cuda", seed=25)
+    want = Generator(model, compile=False, **LIMITS).prefill(PROMPTS).cpu()
+    path, logits = str(tmp_path / "tiny_bf16.pt2"), str(tmp_path / "logits.pt")
+    dsv4_ops.export(model, path, **LIMITS)
+    code = (f"import torch, dsv4_ops; g = dsv4_ops.AOTIGenerator({path!r}, speculative=False); "
+            f"torch.save(g.prefill({PROMPTS!r}).cpu(), {logits!r})")
+    res = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.load(logits)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert (got - want).abs().max() <= tol("exported_vs_eager_bf16")["rel"] * want.abs().max()
