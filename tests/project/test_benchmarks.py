@@ -404,13 +404,13 @@ def test_decode_floor_of_the_tiny_config_by_hand():
 
 # ---- model benchmark: smoke run through the public Generator ---------------------------------
 def _promised_fields(section: str) -> list[str]:
-    """The backticked field names listed for ``section`` in BENCHMARKS.md's JSON description."""
-    text = (ROOT / "BENCHMARKS.md").read_text()
+    """The backticked field names listed for ``section`` in benchmarks/README.md's JSON description."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
     line = next(ln for ln in text.splitlines() if ln.lstrip("- ").startswith(f"`{section}`"))
     return re.findall(r"`(\w+)`", line.split(":", 1)[1])
 
 
-def test_bench_model_smoke_writes_what_benchmarks_md_promises(tmp_path):
+def test_bench_model_smoke_writes_the_json_fields_benchmarks_readme_promises(tmp_path):
     out = tmp_path / "bench_model.json"
     lines = []
     res = BM.main(["--smoke", "--device", "cpu", "--batches", "2", "--contexts", "20", "--iters", "3", "--warmup", "1",
