@@ -278,41 +278,17 @@ class DSV4Config:
         if rope_head_dim is None:
             rope_head_dim = int(hf_config.head_dim * hf_config.partial_rotary_factor)
         return cls(
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            num_hidden_layers=hf_config.num_hidden_layers,
+            **{name: getattr(hf_config, name) for name in _SAME_IN_HF},
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            max_position_embeddings=hf_config.max_position_embeddings,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            num_attention_heads=hf_config.num_attention_heads,
-            head_dim=hf_config.head_dim,
-            rope_head_dim=rope_head_dim,
-            q_lora_rank=hf_config.q_lora_rank,
-            o_groups=hf_config.o_groups,
-            o_lora_rank=hf_config.o_lora_rank,
-            sliding_window=hf_config.sliding_window,
+            norm_topk_prob=bool(hf_config.norm_topk_prob),
             layer_types=list(hf_config.layer_types),
+            mlp_layer_types=list(hf_config.mlp_layer_types),
+            rope_head_dim=rope_head_dim,
             csa_ratio=rates.get(CSA, 4),
             hca_ratio=rates.get(HCA, 128),
             rope_theta=main.get("rope_theta", hf_config.rope_theta),
             compress_rope_theta=comp.get("rope_theta", hf_config.compress_rope_theta),
             **yarn,
-            index_n_heads=hf_config.index_n_heads,
-            index_head_dim=hf_config.index_head_dim,
-            index_topk=hf_config.index_topk,
-            hc_mult=hf_config.hc_mult,
-            hc_sinkhorn_iters=hf_config.hc_sinkhorn_iters,
-            hc_eps=hf_config.hc_eps,
-            n_routed_experts=hf_config.n_routed_experts,
-            num_experts_per_tok=hf_config.num_experts_per_tok,
-            n_shared_experts=hf_config.n_shared_experts,
-            moe_intermediate_size=hf_config.moe_intermediate_size,
-            routed_scaling_factor=hf_config.routed_scaling_factor,
-            scoring_func=hf_config.scoring_func,
-            norm_topk_prob=bool(hf_config.norm_topk_prob),
-            swiglu_limit=hf_config.swiglu_limit,
-            mlp_layer_types=list(hf_config.mlp_layer_types),
-            num_nextn_predict_layers=hf_config.num_nextn_predict_layers,
         )
 
     def to_hf(self, **overrides: Any):
@@ -328,41 +304,18 @@ class DSV4Config:
             y = self.yarn()
             rope = {"rope_type": "yarn", **y}
         kwargs = dict(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
+            {name: getattr(self, name) for name in _SAME_IN_HF},
             tie_word_embeddings=self.tie_word_embeddings,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=1,
-            head_dim=self.head_dim,
-            partial_rotary_factor=self.rope_head_dim / self.head_dim,
-            q_lora_rank=self.q_lora_rank,
-            o_groups=self.o_groups,
-            o_lora_rank=self.o_lora_rank,
-            sliding_window=self.sliding_window,
+            norm_topk_prob=self.norm_topk_prob,
             layer_types=list(self.layer_types),
+            mlp_layer_types=list(self.mlp_layer_types),
+            n_shared_experts=self.n_shared_experts,
+            num_key_value_heads=1,
+            partial_rotary_factor=self.rope_head_dim / self.head_dim,
             compress_rates=dict(self.compress_rates),
             rope_theta=self.rope_theta,
             compress_rope_theta=self.compress_rope_theta,
             rope_parameters=rope,
-            index_n_heads=self.index_n_heads,
-            index_head_dim=self.index_head_dim,
-            index_topk=self.index_topk,
-            hc_mult=self.hc_mult,
-            hc_sinkhorn_iters=self.hc_sinkhorn_iters,
-            hc_eps=self.hc_eps,
-            n_routed_experts=self.n_routed_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            n_shared_experts=self.n_shared_experts,
-            moe_intermediate_size=self.moe_intermediate_size,
-            routed_scaling_factor=self.routed_scaling_factor,
-            scoring_func=self.scoring_func,
-            norm_topk_prob=self.norm_topk_prob,
-            swiglu_limit=self.swiglu_limit,
-            mlp_layer_types=list(self.mlp_layer_types),
-            num_nextn_predict_layers=self.num_nextn_predict_layers,
         )
         kwargs.update(overrides)
         hf = DeepseekV4Config(**kwargs)
@@ -372,6 +325,15 @@ class DSV4Config:
                 f"as HF's partial_rotary_factor (got qk_rope_head_dim {hf.qk_rope_head_dim})"
             )
         return hf
+
+
+# the fields HF's DeepseekV4Config names and stores as we do
+_SAME_IN_HF = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "rms_norm_eps", "num_attention_heads",
+    "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim",
+    "index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "routed_scaling_factor", "scoring_func", "swiglu_limit", "num_nextn_predict_layers",
+)
 
 
 def _check_hf_moe(hf_config: Any) -> None:
