@@ -372,3 +372,29 @@ def test_cuda_graphs_sample_the_eager_tokens_and_count_real_replays(spec_steps) 
     fresh = Generator(m, compile=True, cuda_graphs=True, **dict(kw, max_batch_size=2))
     fresh.generate(PROMPTS[:1], 1)
     assert fresh.stats["cuda_graph_replays"] == 0
+
+
+@pytest.mark.parametrize("device, compiled", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                              pytest.param("cuda", True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("spec_steps", [0, 2])
+def test_nan_left_in_the_pool_changes_no_sampled_token(device, compiled, spec_steps) -> None:
+    """Slots a request does not own may hold anything: after NaN fills the KV pool (every float
+    buffer of the main layers and of the MTP block) and the draft distributions, a generator samples
+    the tokens it sampled before, on the reference ops and on the GPU kernels (eager, and compiled
+    with CUDA graphs). Unfiltered sampling at temperature 1 with drafts: the setting whose GPU
+    tokens once depended on what ran before them."""
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    m = random_model(DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8), device=device)
+    gen = Generator(m, max_batch_size=4, max_seq_len=96, prefill_chunk=16, spec_steps=spec_steps, compile=compiled,
+                    cuda_graphs=compiled)
+    skw = dict(temperature=1.0, top_p=1.0, seed=[1, 2, 3], eos_token_id=[[], [7], []])
+    want = gen.generate(PROMPTS, 40, **skw)
+    states = m.cache_states() + ([m.mtp_cache_state()] if spec_steps else [])
+    poisoned = [t for st in states for t in st.tensors().values() if t.is_floating_point()]
+    if spec_steps:
+        poisoned.append(gen.spec.draft_probs)
+    assert len(poisoned) >= 3 * 3
+    for t in poisoned:
+        t.fill_(float("nan"))
+    assert gen.generate(PROMPTS, 40, **skw) == want
