@@ -2,7 +2,8 @@
 # The GPU check on the GPU box (the device tool runs it in the checkout):  bash tools/gpu_check.sh MODE [MODE ...]
 #
 #   tests   the `gpu` tests (pytest -m gpu, xdist), the Triton kernels' tests on this GPU, then the demo; with $TESTS
-#           (test files) those files only, gpu and cpu tests alike (the kernel tests: *_kernels.py and *_paged.py)
+#           (test files) those files only, gpu and cpu tests alike (the kernel tests: *_kernels.py and *_paged.py);
+#           with $FLASHMLA (its source, as for ops) it is built first, so the FlashMLA comparison test runs too
 #                                                                                       -> gpu_tests.log, demo.log
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
@@ -30,7 +31,8 @@
 #   tp      2 GPUs: the tensor-parallel demo and benchmarks/bench_tp.py
 #
 # Every mode tees its log into $OUT (or ./out); $OUT/gpu.txt names the machine and versions. The device tool returns
-# at most 8 files a call; one call runs at most 10 minutes. Wheels carried in .whl/ (a transformers with V4,
+# at most 8 files a call; one call runs at most 10 minutes. Its copy of the checkout has no current .git: write
+# `git rev-parse --short HEAD > .commit` before the call, and gpu.txt names that commit. Wheels carried in .whl/ (a transformers with V4,
 # expecttest) are installed to /tmp/site first. The package (and its CUDA extension) is built in place once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,10 +48,15 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+{ [ -f .commit ] && echo "commit $(cat .commit) (.commit)" || git log -1 --format='commit %H %s'; } 2>/dev/null \
+  | tee -a "$OUT/gpu.txt"
 # the CUDA extension (csrc/): built in place, as `pip install -e .` does on the GPU box
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || { echo "build_ext failed:"; tail -20 "$OUT/build_ext.log"; }
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo yes)
+# build_flashmla: the FlashMLA peer of $FLASHMLA built in place (about a minute), for `ops` and `tests`
+build_flashmla() {
+  (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { tail -5 "$OUT/flashmla_build.log"; return 1; }
+}
 # line-buffered: a mode cut by the device call's time limit keeps the lines it printed
 quiet() { grep --line-buffered -v -e Warning -e warnings.warn -e "Online softmax" -e "split the reduction" \
   -e "important use case" -e "^softmax\.$" -e '^\s*$'; }
@@ -79,6 +86,7 @@ for what in "$@"; do
       # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
       # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker. Then the
       # Triton kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
+      if [ -n "${FLASHMLA:-}" ]; then build_flashmla && export FLASHMLA_DIR=$FLASHMLA || rc=1; fi
       kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/ops/*/test_*_paged.py tests/test_triton_interp*.py 2>/dev/null)
       { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
         OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} \
@@ -137,7 +145,7 @@ for what in "$@"; do
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            python3 benchmarks/bench_op_overhead.py --device cuda --out "$OUT/bench_op_overhead.json" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
-             (cd "$FLASHMLA" && bash build.sh > "$OUT/flashmla_build.log" 2>&1) || { rc=1; tail -5 "$OUT/flashmla_build.log"; }
+             build_flashmla || rc=1
              python3 benchmarks/bench_flashmla.py --flashmla "$FLASHMLA" --out "$OUT/bench_flashmla.json" || rc=1
            fi; } 2>&1 | quiet | tee "$OUT/bench_ops.log" | grep -e "^|" -e rror -e FlashMLA ;;
     ab) base=$(realpath "${BASE:?set BASE to the other tree}")
