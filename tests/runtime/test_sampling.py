@@ -12,6 +12,7 @@ Statistical tests use fixed seeds (deterministic) and reject at p < 1e-4 (a corr
 fails one with probability 1e-4; the broken ones here give p < 1e-30)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -380,8 +381,8 @@ def test_cuda_graphs_sample_the_eager_tokens_and_count_real_replays(spec_steps) 
 def test_nan_left_in_the_pool_changes_no_sampled_token(device, compiled, spec_steps) -> None:
     """Slots a request does not own may hold anything: after NaN fills the KV pool (every float
     buffer of the main layers and of the MTP block) and the draft distributions, a generator samples
-    the tokens it sampled before, on the reference ops and on the GPU kernels (eager, and compiled
-    with CUDA graphs). Unfiltered sampling at temperature 1 with drafts: the setting whose GPU
+    the tokens it sampled before, on the reference ops and on the GPU kernels (eager, where fresh
+    allocations hold NaN too, and compiled with CUDA graphs). Unfiltered sampling at temperature 1 with drafts: the setting whose GPU
     tokens once depended on what ran before them."""
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -397,4 +398,21 @@ def test_nan_left_in_the_pool_changes_no_sampled_token(device, compiled, spec_st
     assert len(poisoned) >= 3 * 3
     for t in poisoned:
         t.fill_(float("nan"))
-    assert gen.generate(PROMPTS, 40, **skw) == want
+    # eager: every torch.empty scratch and output starts as NaN too (compiled, the flag would recompile the steps)
+    with uninitialized_memory_as_nan() if not compiled else contextlib.nullcontext():
+        assert gen.generate(PROMPTS, 40, **skw) == want
+
+
+@contextlib.contextmanager
+def uninitialized_memory_as_nan():
+    """``torch.empty`` and friends return NaN (float) / the largest int (PyTorch's deterministic
+    mode fills uninitialised memory; ``warn_only``: its other checks only warn)."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
