@@ -33,6 +33,16 @@ _DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "
            "torch.int64": "i64", "torch.uint8": "u8"}
 
 
+def padded_fp8_pages(num_pages, page, entry_bytes):
+    """``uint8 [num_pages, page, entry_bytes]`` meta pages at FlashMLA's page stride (each page's bytes
+    rounded up to a multiple of 576), as a serving engine that allocates FlashMLA's way hands them over."""
+    import torch
+
+    used = page * entry_bytes
+    return torch.empty(num_pages, -(-used // 576) * 576, dtype=torch.uint8, device="meta")[:, :used].view(
+        num_pages, page, entry_bytes)
+
+
 def recorder(*modules):
     """Swap ``launch`` of each launcher module for a recorder; returns the list it appends
     ``(kernel, args, meta)`` to, one entry per launch (a ``None`` spec launches nothing)."""
