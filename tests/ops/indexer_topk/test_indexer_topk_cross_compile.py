@@ -6,10 +6,11 @@ top-512 and Pro's top-1024; each backend's other top-k (CUDA's looped kernel for
 context); the split top-k of a batch-1 decode step at 32K context (both stages, for top-512 and
 top-1024; forced on ROCm, whose config never splits); the fused top-k (the scores kernel with stage
 1 fused in, then stage 2) at 32K and 128K context; and over FP8 keys, the scores kernel (bf16
-queries: on sm_90 an e4m3 x e4m3 tensor-core dot, and only there) and the fused top-k. Every kernel
-keeps its state in registers but the measured, accepted ``KNOWN_SPILLS``, and the FP8 ones fit
-shared memory. No GPU needed (``tests/cross_compile.py``: the method, in a worker process without
-``TRITON_INTERPRET``)."""
+queries: on sm_90 an e4m3 x e4m3 tensor-core dot, and only there) and the fused top-k; and the
+scores kernel and the fused top-k over a serving engine's key pages (64 keys a page) through a block
+table (``_paged``), bf16 and FP8. Every kernel keeps its state in registers but the measured,
+accepted ``KNOWN_SPILLS``, and the FP8 ones fit shared memory. No GPU needed
+(``tests/cross_compile.py``: the method, in a worker process without ``TRITON_INTERPRET``)."""
 import pytest
 
 from cross_compile import (B_DECODE, DI, HI, K_CSA, N_POOL, PAGE, TARGETS, check_no_spill, kernel_tests, recorder,
@@ -17,8 +18,9 @@ from cross_compile import (B_DECODE, DI, HI, K_CSA, N_POOL, PAGE, TARGETS, check
 
 KERNELS = ["indexer_scores", "topk_512", "topk_1024", "topk_other_512", "topk_row_32k_512",
            "topk_split1_512", "topk_split2_512", "topk_split1_1024", "topk_split2_1024",
-           "indexer_fused_32k", "indexer_fused_32k_merge", "indexer_fused_128k", "indexer_fused_128k_merge"]
-FP8_KERNELS = ["fp8_indexer_scores", "fp8_indexer_fused"]
+           "indexer_fused_32k", "indexer_fused_32k_merge", "indexer_fused_128k", "indexer_fused_128k_merge",
+           "indexer_scores_paged", "indexer_fused_paged"]
+FP8_KERNELS = ["fp8_indexer_scores", "fp8_indexer_fused", "fp8_indexer_scores_paged", "fp8_indexer_fused_paged"]
 # topk_row_32k_512 keeps part of a 32K-score row on the stack (sm_90) or spills SGPRs (gfx);
 # on the H200 it is still 1.6x faster than the looped kernel (BENCHMARKS.md), so CUDA picks
 # it at 128K context; the ROCm config keeps the looped kernel.
@@ -112,6 +114,22 @@ def _launches(backend):
     ix.indexer_topk(q, w, keys, vis, K_CSA, config=cfg)
     assert len(recorded) == start + 2 and recorded[start][2]["TOPK_FUSED"] == 1 and recorded[start][2]["KEYS_FP8"] == 2
     out.append(("fp8_indexer_fused",) + recorded[start])
+    # key pages (64 keys = 256 token positions a page) through a block table: bf16 and FP8 keys, the
+    # scores kernel and the fused top-k (forced, as above)
+    table = torch.empty(B_DECODE, N_POOL // PAGE, **i32)
+    pages = B_DECODE * (N_POOL // PAGE)
+    for prefix, key_pages in (("", torch.empty(pages, PAGE, DI, **bf16)),
+                              ("fp8_", torch.empty(pages, PAGE, fp8.IndexerLayout(DI, PAGE).entry_bytes,
+                                                   dtype=torch.uint8, device=meta_dev))):
+        cfg = ix.indexer_config(B_DECODE, 1, HI, DI, N_POOL, K_CSA, backend=backend)
+        start = len(recorded)
+        ix.indexer_scores(q, w, key_pages, vis, config=dict(cfg, FP8_DOT=int(backend == "cuda" and prefix == "fp8_")),
+                          block_table=table)
+        out.append((prefix + "indexer_scores_paged",) + recorded[start])
+        start = len(recorded)
+        ix.indexer_topk(q, w, key_pages, vis, K_CSA, config=dict(cfg, TOPK_FUSED=2048), block_table=table)
+        assert len(recorded) == start + 2 and recorded[start][2]["TOPK_FUSED"] == 1, "fused: scores + stage 2"
+        out.append((prefix + "indexer_fused_paged",) + recorded[start])
     return out
 
 
@@ -121,12 +139,12 @@ test_fp8_kernel_compiles, test_fp8_kernel_fits_shared_memory = kernel_tests(FP8_
 
 
 def test_fp8_indexer_scores_run_on_fp8_tensor_cores(compiled):
-    """sm_90: the scores over FP8 keys are e4m3 x e4m3 wgmma (no decode of keys or queries), with
+    """sm_90: the scores over FP8 keys (per row or paged) are e4m3 x e4m3 wgmma (no decode of keys or queries), with
     the queries' codes from the hardware convert, and only there: the fused path (FP8_DOT off, as on
     ROCm) keeps the bf16 dot and the integer encode."""
-    assert compiled[("sm90", "fp8_indexer_scores")]["constexprs"]["FP8_DOT"] == 1
-    assert compiled[("sm90", "fp8_indexer_scores")]["fp8_mma"]
-    assert compiled[("sm90", "fp8_indexer_scores")]["e4m3_convert"]
+    for name in ("fp8_indexer_scores", "fp8_indexer_scores_paged"):
+        assert compiled[("sm90", name)]["constexprs"]["FP8_DOT"] == 1
+        assert compiled[("sm90", name)]["fp8_mma"] and compiled[("sm90", name)]["e4m3_convert"], name
     assert not compiled[("sm90", "fp8_indexer_fused")]["fp8_mma"]
     assert not compiled[("sm90", "fp8_indexer_fused")]["e4m3_convert"]
 
