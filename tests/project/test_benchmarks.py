@@ -2,7 +2,7 @@
 arithmetic against hand-computed numbers, the kernel grid's report writers and memory rules, the
 one timer (benchmarks/timing.py), the model benchmark's bytes floor worked out by hand for the
 tiny config, a smoke run of bench_model.py through the public Generator whose JSON has the
-fields BENCHMARKS.md promises, and bench_spec.py's step-by-difference arithmetic. On CPU the ops
+fields benchmarks/README.md promises, and bench_spec.py's step-by-difference arithmetic. On CPU the ops
 run the reference, so the timings only prove the harness; the numbers come from the GPU box."""
 import argparse
 import json
