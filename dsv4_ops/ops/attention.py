@@ -141,4 +141,4 @@ def _check_arguments(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx
         v.dim(op, name, t, 1, S, "S of q")
     v.dim(op, "sink", sink, 0, H, "H of q")
     v.same_device(op, q=q, kv=kv, kv_idx=kv_idx, cmp=cmp, cmp_idx=cmp_idx, cmp_len=cmp_len, sink=sink,
-                  **({"block_table": block_table} if paged else {}))
+                  block_table=block_table)

@@ -99,8 +99,6 @@ def _check_arguments(cache: Tensor, values: Tensor, slots: Tensor, block_table: 
     v.dim(op, "values", values, 0, B, of_b)
     v.dim(op, "slots", slots, 0, B, of_b)
     v.dim(op, "slots", slots, 1, values.shape[1], "S of values")
-    tensors = dict(cache=cache, values=values, slots=slots)
     if paged:
         v.block_table(op, block_table, cache)
-        tensors["block_table"] = block_table
-    v.same_device(op, **tensors)
+    v.same_device(op, cache=cache, values=values, slots=slots, block_table=block_table)

@@ -163,8 +163,7 @@ def _check_arguments(
     R, S = ring_kv.shape[1], new_kv.shape[1]
     v.at_least(op, "ring_kv.shape[1]", R, c * ratio, f"(ring slots R >= {c} * ratio = {c * ratio})")
     v.same_device(op, ring_kv=ring_kv, ring_gate=ring_gate, new_kv=new_kv, new_gate=new_gate, start=start,
-                  emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool,
-                  **({"block_table": block_table} if paged else {}))
+                  emit=emit, norm_weight=norm_weight, cos=cos, sin=sin, pool=pool, block_table=block_table)
 
 
 def _check_values(ring_kv: Tensor, new_kv: Tensor, start: Tensor, emit: Tensor, cos: Tensor, pool: Tensor,

@@ -124,5 +124,4 @@ def _check_arguments(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, 
     v.dim(op, "visible", visible, 0, B, "B of q")
     v.dim(op, "visible", visible, 1, S, "S of q")
     v.at_least(op, "topk", topk, 1)
-    v.same_device(op, q=q, weights=weights, keys=keys, visible=visible,
-                  **({"block_table": block_table} if paged else {}))
+    v.same_device(op, q=q, weights=weights, keys=keys, visible=visible, block_table=block_table)

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..reference.fp8_cache import entries  # noqa: F401  (the ops' checks count a cache's entries with it)
 
+
 def fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
@@ -56,7 +57,9 @@ def dim(op: str, name: str, t: Tensor, d: int, expected: int, what: str) -> None
         fail(op, f"{name}.shape[{d}] must be {expected} ({what}), got {t.shape[d]} (shape {tuple(t.shape)})")
 
 
-def same_device(op: str, **tensors: Tensor) -> None:
+def same_device(op: str, **tensors: Tensor | None) -> None:
+    """Every given tensor on one device (an optional argument left out, ``None``, is skipped)."""
+    tensors = {name: t for name, t in tensors.items() if t is not None}
     names = list(tensors)
     first = tensors[names[0]].device
     for name in names[1:]:
