@@ -76,6 +76,9 @@ def ttft_s(eng: Engine, prompt: list[int], device) -> tuple[float, int]:
     return first, cached
 
 
+PARTS = ("decode", "prefix", "throughput", "capacity")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=CONFIGS, default="flash-slice")
@@ -87,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
     ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
+                    help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     device, cfg, model = bench_setup(args, "bench_engine.py", bench_config)
@@ -94,14 +99,27 @@ def main(argv=None) -> int:
         args.concurrency, args.max_seq_len, args.system, args.page_size = 4, 256, 64, 32
     compile_ = not args.smoke
     rng = random.Random(0)
-    N = args.concurrency
     common = dict(max_seq_len=args.max_seq_len, compile=compile_, kv_cache_dtype=args.kv_cache_dtype)
     eng_kw = dict(common, page_size=args.page_size)
     result = dict(script="benchmarks/bench_engine.py", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, config=args.config if not args.smoke else "tiny", args=vars(args))
 
-    # 1. decode step at batch 1 (4K-token prompt on the GPU)
+    if "decode" in args.parts:
+        result["decode_b1"] = _decode_b1(model, cfg, rng, args, common, eng_kw, device)
+    if "prefix" in args.parts:
+        result["prefix"] = _prefix(model, cfg, rng, args, eng_kw, device)
+    if "throughput" in args.parts:
+        result["throughput"] = _throughput(model, cfg, rng, args, common, eng_kw, device)
+    if "capacity" in args.parts:
+        result["capacity"] = _capacity(model, args, eng_kw)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _decode_b1(model, cfg, rng, args, common, eng_kw, device) -> dict:
+    """The decode step at batch 1 (a 4K-token prompt on the GPU), Generator vs Engine."""
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(min(4096, args.max_seq_len // 2))]
     n_short, n_long = (4, 12) if args.smoke else (16, 144)
     gen = Generator(model, max_batch_size=1, prefill_chunk=min(args.page_size, 2048), **common)
@@ -110,11 +128,12 @@ def main(argv=None) -> int:
     eng = Engine(model, max_running=1, prefix_cache=False, **eng_kw)
     e_ms = decode_step_ms(lambda n: eng.generate([prompt], max_new_tokens=n), lambda: eng.stats["decode_steps"],
                           device, n_short, n_long)
-    result["decode_b1"] = dict(context=len(prompt), generator_ms=g_ms, engine_ms=e_ms, ratio=e_ms / g_ms)
     print(f"decode b1 x {len(prompt)}: Generator {g_ms:.3f} ms  Engine {e_ms:.3f} ms  ({e_ms / g_ms:.2f}x)")
-    del eng
+    return dict(context=len(prompt), generator_ms=g_ms, engine_ms=e_ms, ratio=e_ms / g_ms)
 
-    # 2. shared system prompt: TTFT cold vs with a prefix hit
+
+def _prefix(model, cfg, rng, args, eng_kw, device) -> dict:
+    """A shared system prompt: TTFT cold vs with a prefix hit."""
     system = [rng.randrange(cfg.vocab_size) for _ in range(args.system)]
     q = [[rng.randrange(cfg.vocab_size) for _ in range(32)] for _ in range(3)]
     eng = Engine(model, max_running=2, **eng_kw)
@@ -123,13 +142,14 @@ def main(argv=None) -> int:
     cold_eng = Engine(model, max_running=2, prefix_cache=False, **eng_kw)
     ttft_s(cold_eng, system + q[0], device)  # warm-up
     cold, _ = ttft_s(cold_eng, system + q[2], device)
-    result["prefix"] = dict(system_tokens=args.system, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached,
-                            ratio=hit / cold)
     print(f"TTFT, {args.system}-token system prompt: cold {cold * 1e3:.1f} ms  hit {hit * 1e3:.1f} ms "
           f"({cached} cached, {hit / cold:.2f}x)")
-    del eng, cold_eng
+    return dict(system_tokens=args.system, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached, ratio=hit / cold)
 
-    # 3. throughput: N concurrent requests of mixed lengths, engine vs static Generator batches
+
+def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
+    """N concurrent requests of mixed lengths, the engine vs static Generator batches of N."""
+    N = args.concurrency
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
             for _ in range(2 * N)]
@@ -147,30 +167,29 @@ def main(argv=None) -> int:
     # compile time inside the timed runs (0 when the warm-ups covered every shape; else the ratio is not steady state)
     timed_compile_s = dict(engine=s["compile_time_s"] - compile_before,
                            generator=gen.stats["compile_time_s"] - gen_compile_before)
-    result["throughput"] = dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=t_eng,
-                                generator_s=t_gen, engine_tok_s=tokens / t_eng, generator_tok_s=tokens / t_gen,
-                                ratio=t_gen / t_eng, timed_compile_s=timed_compile_s,
-                                timed_finished=s["finished"] - finished_before, stats=s)
     print(f"{len(reqs)} requests at concurrency {N}: Engine {tokens / t_eng:.0f} tok/s, static Generator "
           f"{tokens / t_gen:.0f} tok/s ({t_gen / t_eng:.2f}x); recompiles {s['recompiles']}, graph breaks "
           f"{s['graph_breaks']}, CUDA-graph replays {s['cuda_graph_replays']}; compile inside the timed runs: "
           f"engine {timed_compile_s['engine']:.1f} s, Generator {timed_compile_s['generator']:.1f} s")
+    return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=t_eng, generator_s=t_gen,
+                engine_tok_s=tokens / t_eng, generator_tok_s=tokens / t_gen, ratio=t_gen / t_eng,
+                timed_compile_s=timed_compile_s, timed_finished=s["finished"] - finished_before, stats=s)
 
-    # 4. capacity: the per-row pool's bytes for N x max_seq_len, spent on pages instead
+
+def _capacity(model, args, eng_kw) -> dict:
+    """The per-row pool's bytes for N x max_seq_len, spent on pages instead."""
+    N = args.concurrency
     per_row = model.setup_caches(N, args.max_seq_len, kv_cache_dtype=args.kv_cache_dtype) and model.cache_nbytes()
     model.clear_caches()
     page = PagedKVPool.page_bytes(model, args.page_size, args.kv_cache_dtype)
-    ring = eng.pool.nbytes()["rings"] * N // (N + 1)
+    rings = Engine(model, max_running=N, num_pages=2, **dict(eng_kw, compile=False)).pool.nbytes()["rings"]
+    ring = rings * N // (N + 1)  # without the dummy slot
     pages = (per_row - ring) // page
-    result["capacity"] = dict(per_row_pool_bytes=per_row, page_bytes=page, ring_bytes=ring, pages=int(pages),
-                              tokens_total=int(pages * args.page_size),
-                              mean_tokens_per_request=int(pages * args.page_size // N))
     print(f"capacity: the per-row pool of {N} x {args.max_seq_len} ({per_row / 2**30:.2f} GiB) holds "
           f"{pages * args.page_size} paged positions: {pages * args.page_size // N} per request on average, "
           "any mix of lengths")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    return 0
+    return dict(per_row_pool_bytes=per_row, page_bytes=page, ring_bytes=ring, pages=int(pages),
+                tokens_total=int(pages * args.page_size), mean_tokens_per_request=int(pages * args.page_size // N))
 
 
 if __name__ == "__main__":
