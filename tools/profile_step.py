@@ -5,10 +5,11 @@ graphs). Plain decode: prefill ``--batch`` prompts of ``--context`` tokens, warm
 ``--reps`` ``gen.decode(ids)`` calls: kernels per call. With ``--spec k``: a
 ``Generator(spec_steps=k)``, and the profiles of ``generate`` at two lengths are subtracted, so
 the prefill's kernels cancel and what is left, divided by the step difference, is one
-speculative step. Prints per step: kernel count, summed kernel time, the step's time
+speculative step. With ``--engine``: the serving ``Engine``'s decode iterations (``step()`` after
+the prompts' prefill, ``--batch`` requests), kernels and host per iteration. Prints per step: kernel count, summed kernel time, the step's time
 (benchmarks/timing.py) -- the gap to the kernel sum is launch / host time -- and the top kernels.
 
-    python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3] [--config flash-slice] [--out prof.json]
+    python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3 | --engine] [--config flash-slice] [--out prof.json]
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import io
 import json
 import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from benchmarks.bench_model import bench_config  # noqa: E402
 from benchmarks.bench_spec import step_cost  # noqa: E402
 from benchmarks.timing import time_call  # noqa: E402
 from dsv4_ops import Generator  # noqa: E402
+from dsv4_ops.serve import Engine  # noqa: E402
 from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
 
@@ -81,6 +84,43 @@ def host_profile(fn, reps: int, log, top: int = 25) -> list[dict]:
     return rows[:200]
 
 
+def engine_decode(model, prompts: list[list[int]], reps: int, log) -> dict:
+    """The Engine's decode iterations: its prompts prefilled first, then ``reps`` ``step()`` calls
+    timed, profiled (kernels) and profiled again (host), each on fresh requests."""
+    ctx = len(prompts[0])
+    eng = Engine(model, max_running=len(prompts), max_seq_len=ctx + 4 * reps + 64, prefix_cache=False)
+
+    def decoding() -> None:  # fresh requests, stepped until each has its first token: later steps decode
+        ids = {eng.add_request(p, max_new_tokens=reps + 2) for p in prompts}
+        started: set[int] = set()
+        while started != ids:
+            started |= {o.request_id for o in eng.step() if o.new_token_ids}
+
+    eng.generate(prompts, max_new_tokens=4)  # compiles and records every step this uses
+    decoding()
+    for _ in range(2):
+        eng.step()
+    torch.cuda.synchronize()
+    t0, s0 = time.perf_counter(), eng.stats["decode_steps"]
+    for _ in range(reps - 2):
+        eng.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3 / (eng.stats["decode_steps"] - s0)
+    while eng.has_unfinished():
+        eng.step()
+    decoding()
+    s0 = eng.stats["decode_steps"]
+    got = kernels(lambda: [eng.step() for _ in range(reps)])
+    n = eng.stats["decode_steps"] - s0
+    tab = table({k: (len(v) / n, sum(v) / n) for k, v in got.items()}, step_ms,
+                f"engine step() B={len(prompts)} ctx={ctx}", log)
+    while eng.has_unfinished():
+        eng.step()
+    decoding()
+    tab["host"] = host_profile(lambda: [eng.step() for _ in range(reps)], reps, log)
+    return tab
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -88,6 +128,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=10, help="decode calls profiled")
     ap.add_argument("--spec", type=int, default=0, help="also profile the speculative step with k drafts")
     ap.add_argument("--new-tokens", type=int, nargs=2, default=[8, 40], metavar=("N_SHORT", "N_LONG"))
+    ap.add_argument("--engine", action="store_true", help="also profile the serving Engine's decode iterations")
     ap.add_argument("--config", choices=CONFIGS, default="bench")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -128,6 +169,8 @@ def main(argv=None) -> None:
         res["spec"] = table(per, cost["step_ms"], f"spec k={args.spec} B={B} ctx={ctx} (generate {n_long} - {n_short})",
                             log)
         res["spec"]["cost"] = cost
+    if args.engine:
+        res["engine"] = engine_decode(model, prompts, args.reps, log)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 
