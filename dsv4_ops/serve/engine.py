@@ -223,6 +223,7 @@ class Engine:
             cudagraph_replays.install()
         self.decode_buckets, self.prefill_buckets = batch_buckets(max_running), batch_buckets(self.prefill_rows)
         self._fns: dict[tuple[str, bool], object] = {}
+        self._params_made: dict[tuple, tuple] = {}  # rows' request ids -> what _params made for them
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []
         self._slots: list[_Request | None] = [None] * max_running
@@ -435,15 +436,29 @@ class Engine:
             self.pool.block_table.copy_(self._block_table, non_blocking=True)
             self._table_dirty = False
 
+    def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
+        """Step inputs on the device without a host sync (a plain host-to-device copy waits for the
+        stream): staged in pinned memory, whose caching allocator keeps each buffer until its copy ran."""
+        if self.device.type != "cuda":
+            return list(host)
+        return [t.pin_memory().to(self.device, non_blocking=True) for t in host]
+
     def _params(self, rows: list[_Request | None]) -> tuple[SamplingParams, bool]:
-        """The sampling settings of each row (``None``: a greedy padding row) and ``filtered``."""
+        """The sampling settings of each row (``None``: a greedy padding row) and ``filtered``; the
+        same rows as a recent step's reuse its tensors (a steady decode batch copies none)."""
+        key = tuple(r.rid if r else -1 for r in rows)
+        if key in self._params_made:
+            return self._params_made[key]
         reqs = [r for r in rows if r is not None]
         cols = (([r.temperature if r else 0.0 for r in rows], torch.float32),
                 ([r.top_k if r else 0 for r in rows], torch.int64),
                 ([r.top_p if r else 1.0 for r in rows], torch.float32),
                 ([r.seed if r else 0 for r in rows], torch.int64))
-        params = SamplingParams(*(torch.tensor(v, dtype=d).to(self.device) for v, d in cols))
+        params = SamplingParams(*self._to_device(*(torch.tensor(v, dtype=d) for v, d in cols)))
         filtered = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
+        if len(self._params_made) >= 8:  # the row sets of the last few steps (prefill, decode)
+            self._params_made.clear()
+        self._params_made[key] = params, filtered
         return params, filtered
 
     def _run_prefill(self, batch: list[tuple[_Request, int]]) -> torch.Tensor:
@@ -459,9 +474,7 @@ class Engine:
             starts[i] = not r.generated and r.computed + n == r.prefill_target
         params, filtered = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
-        args = [ids.to(self.device), rows.to(self.device), n_new.to(self.device)]
-        if self.spec is not None:
-            args.append(starts.to(self.device))
+        args = self._to_device(ids, rows, n_new, *([starts] if self.spec is not None else []))
         tokens, _ = self._run("prefill", bucket, filtered, *args, params)
         self._stats["prefill_steps"] += 1
         return tokens
@@ -479,14 +492,16 @@ class Engine:
         self._sync_table()
         self._stats["decode_steps"] += 1
         if self.spec is not None:  # the next tokens are on the device already (spec.last_tok)
+            n_new, = self._to_device(n_new)
             if any(r.temperature > 0 for r in batch):
-                return self._run("decode_sample", bucket, filtered, n_new.to(self.device), params)[0]
+                return self._run("decode_sample", bucket, filtered, n_new, params)[0]
             # greedy rows only: no distributions to compute (the tokens are the same either way)
-            return self._run("decode", bucket, False, n_new.to(self.device))[0]
+            return self._run("decode", bucket, False, n_new)[0]
         ids = torch.zeros(bucket, 1, dtype=torch.long)
         for r in batch:
             ids[r.slot, 0] = r.generated[-1] if r.generated else r.prompt[-1]
-        tokens, _ = self._run("decode", bucket, filtered, ids.to(self.device), None, n_new.to(self.device), params)
+        ids, n_new = self._to_device(ids, n_new)
+        tokens, _ = self._run("decode", bucket, filtered, ids, None, n_new, params)
         return tokens[:, None]
 
     def _fn(self, kind: str, filtered: bool):

@@ -1,6 +1,7 @@
 """The compiled engine: one graph per (step kind, bucket); over hundreds of steps with requests
 joining and leaving, no recompiles and no graph breaks, and the compiled tokens are the eager ones."""
 import random
+import warnings
 
 import pytest
 import torch
@@ -63,6 +64,8 @@ def test_warm_up_runs_every_step_shape_a_load_can_take(spec_steps):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_replay_after_warm_up_and_requests_coming_and_going_record_none():
+    """... and each iteration synchronises the host once (the read of its sampled tokens): its inputs
+    go to the device without a wait, so the host schedules while the GPU still runs."""
     torch._dynamo.reset()
     model = tiny_model(4).cuda()
     rng = random.Random(5)
@@ -70,8 +73,16 @@ def test_cuda_graphs_replay_after_warm_up_and_requests_coming_and_going_record_n
     eng = engine(model, max_running=2, max_prefill_tokens=CHUNK, compile=True, num_pages=20)
     assert eng.cuda_graphs
     run_arriving(eng, reqs[:4], random.Random(1))  # warm-up: every (kind, bucket) graph compiled and recorded
-    graphs, replays = dict(eng._graphs), eng.stats["cuda_graph_replays"]
-    got = run_arriving(eng, reqs, random.Random(2))
+    graphs, replays, steps = dict(eng._graphs), eng.stats["cuda_graph_replays"], eng.stats["steps"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = run_arriving(eng, reqs, random.Random(2))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 0 < len(syncs) <= eng.stats["steps"] - steps, [str(w.message) for w in syncs[:3]]
     assert eng._graphs == graphs and eng.stats["recompiles"] == 0 and eng.stats["graph_breaks"] == 0
     assert eng.stats["cuda_graph_replays"] - replays >= eng.stats["steps"] // 2
     want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20), reqs, random.Random(2))
