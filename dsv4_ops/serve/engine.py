@@ -370,7 +370,7 @@ class Engine:
             for i, e in enumerate(shared):
                 self._block_table[slot, i] = e.page
             self._table_dirty = True
-            self.pool.slot_len[slot] = hit
+            self.pool.slot_len[slot].fill_(hit)  # `t[i] = int` would copy from the host and wait for the GPU
             if snap is not None:
                 for store, t in zip(self._snapshots, self._slot_state(restore=True)):
                     t[slot].copy_(store[snap])

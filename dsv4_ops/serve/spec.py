@@ -68,9 +68,9 @@ class SpecSlots(SpeculativeStep):
 
     def resume(self, slot: int, last: int, saved: tuple[Tensor, Tensor] | None) -> None:
         """A resumed request's next token and drafts (the saved ones, else placeholders)."""
-        self.last_tok[slot] = last
+        self.last_tok[slot].fill_(last)  # fill_: a kernel; `t[i] = int` waits for the GPU (a host copy)
         if saved is None:
-            self.drafts[slot] = last
+            self.drafts[slot].fill_(last)
             self.draft_probs[slot] = torch.nn.functional.one_hot(self.drafts[slot], self.draft_probs.shape[-1])
         else:
             self.drafts[slot].copy_(saved[0])
