@@ -16,6 +16,15 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
    and snapshots to the prefix cache and frees its slot.
 
+**Overlap** (plain decode): while every running request decodes, the next decode step is launched
+from the current one's sampled tokens, which are still on the device, before the host reads them;
+the GPU then runs it while the host does the stop checks and bookkeeping of the step before. A
+request that stops (a stop id) had one step too many computed for it: its row is dropped, and what
+that step wrote lies past the request's computed positions, in pages no prefix shares (pages are
+published up to the computed positions, and a step that ends a page, whose rings a snapshot saves,
+launches none early). Rows that end by length are left out of the early step; admissions wait for
+an iteration without one. Tokens are the same either way.
+
 Pages are taken as a request grows. When none is free (after evicting unreferenced cached
 prefixes) the newest running request is preempted: its pages are released (published first, so
 re-admitting it can hit its own prefix) and it waits to be recomputed, with the tokens it has
@@ -140,6 +149,8 @@ class Engine:
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
         prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
+        overlap: launch the next plain decode step before reading the current one's tokens, so the
+            host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
 
     >>> eng = Engine(DeepseekV4ForCausalLM(DSV4Config.tiny()), max_running=4, max_seq_len=128, page_size=32,
     ...              compile=False)
@@ -152,7 +163,7 @@ class Engine:
                  spec_steps: int = 0, compile: bool = True, cuda_graphs: bool | None = None,
                  kv_cache_dtype: str = "auto", prefill_chunk: int | None = None,
                  max_prefill_tokens: int | None = None, num_snapshots: int | None = None,
-                 snapshot_interval: int = 16) -> None:
+                 snapshot_interval: int = 16, overlap: bool = True) -> None:
         cfg = model.config
         check_int("max_running", max_running, 1)
         check_int("max_seq_len", max_seq_len, 1)
@@ -176,6 +187,8 @@ class Engine:
         check_int("max_prefill_tokens", max_prefill_tokens, prefill_chunk)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None (auto), got {cuda_graphs!r}")
         kv_cache_dtype = check_kv_cache_dtype("Engine: kv_cache_dtype", kv_cache_dtype, cfg, model.device)
@@ -223,6 +236,8 @@ class Engine:
             cudagraph_replays.install()
         self.decode_buckets, self.prefill_buckets = batch_buckets(max_running), batch_buckets(self.prefill_rows)
         self._fns: dict[tuple[str, bool], object] = {}
+        self.overlap = overlap and not spec_steps
+        self._ahead: tuple[list[_Request], torch.Tensor] | None = None  # a decode step launched, not read
         self._params_made: dict[tuple, tuple] = {}  # rows' request ids -> what _params made for them
         self._requests: dict[int, _Request] = {}
         self._waiting: list[_Request] = []
@@ -231,7 +246,7 @@ class Engine:
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
                            compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0, accepted_tokens=0,
-                           drafted_tokens=0)
+                           drafted_tokens=0, early_steps=0, early_rows_dropped=0)
         self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -281,19 +296,16 @@ class Engine:
                    for r in list(self._requests.values()) if r.aborted]
         for o in outputs:
             del self._requests[o.request_id]
-        self._admit()
-        prefill = self._plan_prefill()
-        decode = [r for r in self._slots if r is not None and r.generated and r.computed == r.num_tokens - 1]
-        # a speculative step writes k positions past the next token: pages for them too (not past the
-        # request's last position: what lies beyond goes to the dummy page and is never kept)
-        decode = self._reserve(decode, lambda r: min(r.computed + 1 + self.spec_steps, r.max_positions))
-        prefill = [(r, n) for r, n in prefill if r.slot is not None]
-        results = []  # (kind, items, each step's tokens [bucket, width], the row of each item's tokens)
-        if prefill:
-            results.append(("prefill", prefill, self._run_prefill(prefill)[:, None], range(len(prefill))))
-        decode = [r for r in decode if r.slot is not None]
-        if decode:
-            results.append(("decode", decode, self._run_decode(decode), [r.slot for r in decode]))
+        ahead, self._ahead = self._ahead, None
+        live = [r for r in ahead[0] if r.slot is not None] if ahead else []
+        if ahead:  # rows of requests that stopped (or were aborted) before their early step was read
+            self._stats["early_rows_dropped"] += len(ahead[0]) - len(live)
+        if live:  # the decode step launched early by the last iteration is this one's
+            results = [("decode", live, ahead[1], [r.slot for r in live])]
+        else:
+            results = self._schedule()  # (kind, items, each step's tokens [bucket, width], each item's row)
+        if self.overlap and len(results) == 1 and results[0][0] == "decode":
+            self._ahead = self._launch_early(results[0][1], results[0][2])
         if results:
             picked = torch.cat([tokens.flatten() for _, _, tokens, _ in results]).tolist()  # the iteration's one sync
             offset = 0
@@ -309,6 +321,42 @@ class Engine:
             self._stats["steps"] += 1
         self._stats["busy_time_s"] += time.perf_counter() - t0
         return outputs
+
+    def _schedule(self) -> list[tuple]:
+        """Admit, plan and launch this iteration's prefill and decode steps -> their results to read."""
+        self._admit()
+        prefill = self._plan_prefill()
+        decode = [r for r in self._slots if r is not None and r.generated and r.computed == r.num_tokens - 1]
+        # a speculative step writes k positions past the next token: pages for them too (not past the
+        # request's last position: what lies beyond goes to the dummy page and is never kept)
+        decode = self._reserve(decode, lambda r: min(r.computed + 1 + self.spec_steps, r.max_positions))
+        prefill = [(r, n) for r, n in prefill if r.slot is not None]
+        results = []
+        if prefill:
+            results.append(("prefill", prefill, self._run_prefill(prefill)[:, None], range(len(prefill))))
+        decode = [r for r in decode if r.slot is not None]
+        if decode:
+            results.append(("decode", decode, self._run_decode(decode), [r.slot for r in decode]))
+        return results
+
+    def _launch_early(self, batch: list[_Request], tokens: torch.Tensor) -> tuple | None:
+        """The next decode step of ``batch``, launched from its unread ``tokens [bucket, 1]``, when the
+        next iteration would run exactly that (every running request decodes, no admission is due)
+        and its pages are free without preempting -> ``(its requests, its tokens)``, else None."""
+        if any(r is not None and r not in batch for r in self._slots):
+            return None  # a request still in prefill: the next iteration runs its chunk
+        early = [r for r in batch if len(r.generated) + 1 < r.max_new]  # the rest end by length now
+        if not early or (self._waiting and (len(early) < len(batch) or None in self._slots)):
+            return None
+        if self.cache.enabled and any((r.computed + 1) % self.page_size == 0 for r in batch):
+            return None  # this step ends a page: its snapshot is of the rings before another step runs
+        try:
+            for r in early:  # this step writes position computed; the next one computed + 1
+                self._ensure_pages(r, r.computed + 2)
+        except OutOfPages:
+            return None
+        self._stats["early_steps"] += 1
+        return early, self._run_decode(early, ids=tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens=32, *, temperature=None, top_k=None,
                  top_p=None, seed=None, eos_token_id=None) -> list[list[int]]:
@@ -479,9 +527,10 @@ class Engine:
         self._stats["prefill_steps"] += 1
         return tokens
 
-    def _run_decode(self, batch: list[_Request]) -> torch.Tensor:
+    def _run_decode(self, batch: list[_Request], ids: torch.Tensor | None = None) -> torch.Tensor:
         """The decode step over slots ``0..bucket-1`` -> tokens ``[bucket, 1]`` (speculative:
-        ``[bucket, k+1]``, ``-1`` after each row's emitted ones); row = slot."""
+        ``[bucket, k+1]``, ``-1`` after each row's emitted ones); row = slot. ``ids``: the input
+        tokens on the device (a wider step's sampled tokens, row = slot), else each request's last."""
         top = max(r.slot for r in batch) + 1
         bucket = next(b for b in self.decode_buckets if b >= top)
         n_new = torch.zeros(bucket, dtype=torch.int32)
@@ -497,10 +546,14 @@ class Engine:
                 return self._run("decode_sample", bucket, filtered, n_new, params)[0]
             # greedy rows only: no distributions to compute (the tokens are the same either way)
             return self._run("decode", bucket, False, n_new)[0]
-        ids = torch.zeros(bucket, 1, dtype=torch.long)
-        for r in batch:
-            ids[r.slot, 0] = r.generated[-1] if r.generated else r.prompt[-1]
-        ids, n_new = self._to_device(ids, n_new)
+        n_new, = self._to_device(n_new)
+        if ids is None:
+            ids = torch.zeros(bucket, 1, dtype=torch.long)
+            for r in batch:
+                ids[r.slot, 0] = r.generated[-1] if r.generated else r.prompt[-1]
+            ids, = self._to_device(ids)
+        else:
+            ids = ids[:bucket]
         tokens, _ = self._run("decode", bucket, filtered, ids, None, n_new, params)
         return tokens[:, None]
 
@@ -606,7 +659,9 @@ class Engine:
         cuda_graph_replays, generated_tokens, tokens_per_s (generated tokens over the time spent in
         ``step``, compiling excluded), the step counts, and with ``spec_steps > 0``
         accepted_tokens / drafted_tokens (drafts accepted / made, over every request) and their
-        ratio acceptance_rate (``RequestOutput`` carries each request's own counts)."""
+        ratio acceptance_rate (``RequestOutput`` carries each request's own counts); early_steps (decode
+        steps launched before the last one's tokens were read, ``overlap``) and early_rows_dropped
+        (their rows whose request had stopped: the overlap's wasted work)."""
         s = dict(self._stats)
         s["running"] = sum(r is not None for r in self._slots)
         s["waiting"] = len(self._waiting)
