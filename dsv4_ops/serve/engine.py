@@ -304,10 +304,12 @@ class Engine:
             results = [("decode", live, ahead[1], [r.slot for r in live])]
         else:
             results = self._schedule()  # (kind, items, each step's tokens [bucket, width], each item's row)
+        if results:  # queued before an early step, so that reading them does not wait for it
+            read = self._start_read(torch.cat([tokens.flatten() for _, _, tokens, _ in results]))
         if self.overlap and len(results) == 1 and results[0][0] == "decode":
             self._ahead = self._launch_early(results[0][1], results[0][2])
         if results:
-            picked = torch.cat([tokens.flatten() for _, _, tokens, _ in results]).tolist()  # the iteration's one sync
+            picked = read()  # the iteration's one wait for the GPU
             offset = 0
             for kind, items, tokens, rows in results:
                 width = tokens.shape[1]
@@ -483,6 +485,21 @@ class Engine:
         if self._table_dirty:
             self.pool.block_table.copy_(self._block_table, non_blocking=True)
             self._table_dirty = False
+
+    def _start_read(self, tokens: torch.Tensor):
+        """Copy ``tokens`` to the host asynchronously -> a function that waits for the copy (only
+        for it, not for steps launched later) and returns them as a list."""
+        if self.device.type != "cuda":
+            return tokens.tolist
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+        return read
 
     def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
         """Step inputs on the device without a host sync (a plain host-to-device copy waits for the
