@@ -70,7 +70,7 @@ class RequestOutput(NamedTuple):
     drafted_tokens: int = 0  # ... and drafted so far (k per speculative step it took part in)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in batch` must not compare every field of every request
 class _Request:
     rid: int
     arrival: int
@@ -345,7 +345,7 @@ class Engine:
         """The next decode step of ``batch``, launched from its unread ``tokens [bucket, 1]``, when the
         next iteration would run exactly that (every running request decodes, no admission is due)
         and its pages are free without preempting -> ``(its requests, its tokens)``, else None."""
-        if any(r is not None and r not in batch for r in self._slots):
+        if sum(r is not None for r in self._slots) != len(batch):
             return None  # a request still in prefill: the next iteration runs its chunk
         early = [r for r in batch if len(r.generated) + 1 < r.max_new]  # the rest end by length now
         if not early or (self._waiting and (len(early) < len(batch) or None in self._slots)):
