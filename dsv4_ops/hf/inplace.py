@@ -162,17 +162,20 @@ class HFModelOnOps(DeepseekV4Model):
             raise ValueError(f"dsv4_ops.hf: a model on dsv4_ops needs a static cache, got {type(cache).__name__}: "
                              "generate(..., cache_implementation='static') (enable() makes it the default) or "
                              "pass transformers.StaticCache(config=model.config, max_cache_len=N)")
-        capacity = static_capacity(cache) or self._dsv4_max_positions()
+        need = static_capacity(cache) or self._dsv4_max_positions()
         dtype = self._dsv4_dtype()
+        self._dsv4_capacity = need  # positions this cache admits (the pool may hold more)
+        held = getattr(self, "_dsv4_pool_key", None)
+        if held is not None and held[0] == B and held[2:] == (dtype, str(device)) and held[1] >= need:
+            return  # the pool holds it: the same buffers, so the same compiled step and CUDA graphs
+        capacity = max(need, min(pool_bucket(need), self._dsv4_cfg.max_position_embeddings))
         key = (B, capacity, dtype, str(device))
-        if getattr(self, "_dsv4_pool_key", None) == key:
-            return
         if capacity > self._dsv4_max_positions():
             self._dsv4_set_rope(capacity)
         for layer in self.layers:
             layer.self_attn.setup_cache(B, capacity, self._dsv4_rings, dtype)
         self.register_buffer("_dsv4_seen", torch.zeros(B, dtype=torch.int32, device=device), persistent=False)
-        self._dsv4_capacity, self._dsv4_pool_key = capacity, key
+        self._dsv4_pool_key = key
 
     def _dsv4_clear_pool(self) -> None:
         for layer in self.layers:
@@ -185,6 +188,13 @@ class HFModelOnOps(DeepseekV4Model):
 
     def _dsv4_set_rope(self, n: int) -> None:
         set_rope([layer.self_attn for layer in self.layers], self._dsv4_cfg, n, self.embed_tokens.weight.device)
+
+
+def pool_bucket(positions: int) -> int:
+    """The pool's capacity for a static cache of ``positions``: a power of two up to 8192, then a
+    multiple of 8192. A larger ``max_new_tokens`` or prompt within the bucket keeps the pool, and
+    with it the compiled decode step (its shapes include the pool's); a pool is never shrunk."""
+    return max(256, 1 << (positions - 1).bit_length()) if positions <= 8192 else -(-positions // 8192) * 8192
 
 
 # ---------------------------------------------------------------------------- enable / disable

@@ -200,6 +200,11 @@ def test_compiled_decode_same_tokens_and_no_new_graphs_after_warm_up(hc4_model):
         out = _generate(hf, *again, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert counters["stats"]["unique_graphs"] == graphs
         assert torch.equal(out[1], greedy[0])
+        # a larger max_new_tokens: HF sizes a larger static cache (18 + 230 positions), which the pool's
+        # bucket (256) holds: the same pool, so no new graph
+        out = _generate(hf, *warm, max_new_tokens=NEW_TOKENS + 30, do_sample=False)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert torch.equal(out[0, :NEW_TOKENS], greedy[0]) and out.shape[1] == NEW_TOKENS + 30
     finally:
         _off(hf)
 
