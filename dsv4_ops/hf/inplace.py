@@ -36,6 +36,11 @@ from .static_cache import static_capacity
 
 __all__ = ["enable", "disable", "is_enabled"]
 
+# A forward of several tokens runs them right-padded to a multiple of this: Triton specialises integer
+# arguments on their divisibility by 16, so a prompt length of another residue than the last one's
+# would compile the prefill's kernels again inside the user's call.
+PREFILL_MULTIPLE = 64
+
 
 @dataclass
 class _Step:
@@ -77,6 +82,7 @@ class HFModelOnOps(DeepseekV4Model):
         B, S = ref.shape[:2]
         device = ref.device
         n, shift, start = self._dsv4_rows(attention_mask, position_ids, B, S, device)
+        S_run = S if S == 1 else -(-S // PREFILL_MULTIPLE) * PREFILL_MULTIPLE  # padded after the real tokens
         eager = not torch.compiler.is_compiling()
         if cache is not None:
             if eager:
@@ -87,7 +93,7 @@ class HFModelOnOps(DeepseekV4Model):
         else:
             if start is None:
                 start = torch.zeros(B, dtype=torch.int32, device=device)
-            states = [layer.self_attn.new_state(B, S, None, self._dsv4_dtype(), device) for layer in self.layers]
+            states = [layer.self_attn.new_state(B, S_run, None, self._dsv4_dtype(), device) for layer in self.layers]
             rings = ring_sizes(cfg)
         if eager and reads_values(start, n):
             self._dsv4_check_positions(start, n, S, cache)
@@ -98,12 +104,18 @@ class HFModelOnOps(DeepseekV4Model):
                 input_ids = input_ids.gather(1, to_front)
             else:
                 inputs_embeds = inputs_embeds.gather(1, to_front[..., None].expand_as(inputs_embeds))
+        if S_run > S:  # after the real tokens (n counts them): the plan gives the pads no writes
+            pad = S_run - S
+            if input_ids is not None:
+                input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            else:
+                inputs_embeds = torch.nn.functional.pad(inputs_embeds, (0, 0, 0, pad))
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         x = h.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
-        step = _Step(plan_step(cfg, start, n, S, rings), states, B)
+        step = _Step(plan_step(cfg, start, n, S_run, rings), states, B)
         for layer in self.layers:
             x = layer(x, step.meta, step, input_ids)  # our DecoderLayer hands `step` to the attention
-        hidden = self.norm(self.hc_head(x))
+        hidden = self.norm(self.hc_head(x))[:, :S]
         if cache is not None:
             self._dsv4_seen[:B].copy_(start + n)
         if S > 1:

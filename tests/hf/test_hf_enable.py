@@ -178,6 +178,27 @@ def test_left_padded_greedy_batch_equals_each_prompt_alone(hc4_model):
         _off(hf)
 
 
+def test_prompts_of_any_length_reach_the_ops_at_a_multiple_of_64_tokens(hc4_model):
+    """A forward of several tokens runs them right-padded to a multiple of 64, so a new prompt length
+    brings the kernels the integer arguments of one they ran before (Triton compiles a variant per
+    divisibility by 16); each prompt still gets what it gets alone."""
+    from dsv4_ops.hf.inplace import PREFILL_MULTIPLE
+
+    cfg, hf, prompts, greedy = hc4_model
+    dsv4_ops.hf.enable(hf)
+    seen = []
+    hook = hf.model.layers[0].register_forward_pre_hook(lambda layer, args: seen.append(args[0].shape[1]))
+    try:
+        for i in (1, 2):  # 37 and 18 tokens
+            ones = torch.ones(1, len(prompts[i]), dtype=torch.long)
+            out = _generate(hf, prompts[i][None], ones, max_new_tokens=3, do_sample=False, disable_compile=True)
+            assert torch.equal(out[0], greedy[i][:3])
+    finally:
+        hook.remove()
+        _off(hf)
+    assert PREFILL_MULTIPLE == 64 and seen == [64, 1, 1, 64, 1, 1]
+
+
 def test_compiled_decode_same_tokens_and_no_new_graphs_after_warm_up(hc4_model):
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
@@ -307,3 +328,33 @@ def test_cuda_enabled_generate_eager_and_compiled_equals_hf_alone(tol):
     for i, want in enumerate(greedy):
         assert torch.equal(eager[i], want), i
         assert torch.equal(compiled[i], want), i
+
+
+@pytest.mark.gpu
+def test_cuda_new_prompt_lengths_and_max_new_tokens_compile_nothing_after_warm_up():
+    """After one warm-up, generate with new prompt lengths (of other residues mod 16) and larger
+    ``max_new_tokens`` within the pool's bucket compiles no Triton kernel (Triton's compilation
+    listener sees every new variant a process builds, from its disk cache or not) and no dynamo
+    graph, and each prompt still gets unpatched HF's tokens alone."""
+    import triton
+    from torch._dynamo.utils import counters
+
+    cfg = CONFIGS["hc4"]
+    hf = make_hf(cfg, seed=13).cuda()
+    prompts = [p.cuda() for p in _prompts(cfg, [24, 37, 50, 61], seed=8)]
+    new = [40, 40, 60, 90]  # 61 + 90 positions: still the 256-position bucket of the warm-up's 24 + 40
+    want = [_alone(hf, [p], max_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts, new)]
+    dsv4_ops.hf.enable(hf)
+    compiled: list[str] = []
+    try:
+        torch._dynamo.reset()
+        got = [_alone(hf, [prompts[0]], max_new_tokens=new[0], do_sample=False)[0] for _ in range(2)]  # warm-up
+        graphs = counters["stats"]["unique_graphs"]
+        triton.knobs.compilation.listener = lambda src, **kw: compiled.append(getattr(src, "name", str(src)))
+        got += [_alone(hf, [p], max_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts[1:], new[1:])]
+    finally:
+        triton.knobs.compilation.listener = None
+        _off(hf)
+    assert compiled == [] and counters["stats"]["unique_graphs"] == graphs
+    for i, w in enumerate([want[0]] + want):
+        assert torch.equal(got[i], w), i
