@@ -98,18 +98,13 @@ class HFModelOnOps(DeepseekV4Model):
         if eager and reads_values(start, n):
             self._dsv4_check_positions(start, n, S, cache)
 
-        if S > 1:  # left padding -> right padding: real tokens first in every row
-            to_front = (torch.arange(S, device=device) + shift[:, None]) % S
+        if S > 1:  # left padding -> right padding: real tokens first in every row, then S_run - S more
+            # columns (repeats; n counts the real tokens, and the plan gives the others no writes)
+            to_front = (torch.arange(S_run, device=device).clamp(max=S - 1) + shift[:, None]) % S
             if input_ids is not None:
                 input_ids = input_ids.gather(1, to_front)
             else:
-                inputs_embeds = inputs_embeds.gather(1, to_front[..., None].expand_as(inputs_embeds))
-        if S_run > S:  # after the real tokens (n counts them): the plan gives the pads no writes
-            pad = S_run - S
-            if input_ids is not None:
-                input_ids = torch.nn.functional.pad(input_ids, (0, pad))
-            else:
-                inputs_embeds = torch.nn.functional.pad(inputs_embeds, (0, 0, 0, pad))
+                inputs_embeds = inputs_embeds.gather(1, to_front[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         x = h.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
         step = _Step(plan_step(cfg, start, n, S_run, rings), states, B)
