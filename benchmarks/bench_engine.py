@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
     ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="the engine's prefill chunk (default: the Engine's, one page); a multiple of the page "
+                         "takes a long prompt in fewer steps")
     ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
                     help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
     compile_ = not args.smoke
     rng = random.Random(0)
     common = dict(max_seq_len=args.max_seq_len, compile=compile_, kv_cache_dtype=args.kv_cache_dtype)
-    eng_kw = dict(common, page_size=args.page_size)
+    eng_kw = dict(common, page_size=args.page_size, prefill_chunk=args.prefill_chunk)
     result = dict(script="benchmarks/bench_engine.py", date=datetime.datetime.now().isoformat(timespec="seconds"),
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, config=args.config if not args.smoke else "tiny", args=vars(args))

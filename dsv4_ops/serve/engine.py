@@ -137,7 +137,7 @@ class Engine:
         num_pages / kv_memory_gb: the paged pool's size, in pages (page 0 is a dummy) or from a
             memory budget for the pages (default: room for ``max_running`` full-length requests).
         page_size: token positions per page, a multiple of every compression rate (so a page
-            boundary never splits a compressed block) and of ``prefill_chunk``.
+            boundary never splits a compressed block).
         prefix_cache: share full pages of identical prefixes between requests.
         num_snapshots: ring snapshots the prefix cache may hold (default ``2 * max_running``).
         snapshot_interval: also snapshot every this many pages in long prompts (default 16).
@@ -147,7 +147,9 @@ class Engine:
             snapshot then also holds the MTP block's window ring and the streams it starts from.
         compile / cuda_graphs: as ``Generator``.
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
-        prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``).
+        prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``): a divisor of
+            ``page_size``, or (``spec_steps=0``) a multiple of it, which takes a long prompt in fewer,
+            larger steps while prefix hits land on chunk ends only.
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
@@ -180,9 +182,10 @@ class Engine:
                                  f"{rates} (a page boundary may not split a compressed block)")
         prefill_chunk = prefill_chunk or min(page_size, 256)
         check_int("prefill_chunk", prefill_chunk, 1)
-        if page_size % prefill_chunk:
-            raise ValueError(f"Engine: prefill_chunk={prefill_chunk} must divide page_size={page_size} (chunks "
-                             "end on page boundaries, where prefix snapshots are taken)")
+        if page_size % prefill_chunk and (prefill_chunk % page_size or spec_steps):
+            multiple = "" if spec_steps else " or be a multiple of it"
+            raise ValueError(f"Engine: prefill_chunk={prefill_chunk} must divide page_size={page_size}{multiple} "
+                             "(chunks end on page boundaries, where prefix snapshots are taken)")
         max_prefill_tokens = max_prefill_tokens or 4 * prefill_chunk
         check_int("max_prefill_tokens", max_prefill_tokens, prefill_chunk)
         if not isinstance(compile, bool):
@@ -198,6 +201,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
         self.snapshot_interval = snapshot_interval
+        # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
+        self._snap_pages = max(1, prefill_chunk // page_size)
         if num_pages is not None and kv_memory_gb is not None:
             raise ValueError("Engine: give num_pages or kv_memory_gb, not both")
         if kv_memory_gb is not None:
@@ -633,15 +638,18 @@ class Engine:
         the device state is, past ``computed`` when a stop cut a speculative step's tokens): if that
         passed a page boundary, save the slot's rings there when a later request may resume at it
         (in a prompt: every ``snapshot_interval`` pages and the prompt's last boundary; while
-        decoding: the latest boundary only)."""
+        decoding: the latest boundary only). With chunks of several pages, only boundaries where
+        chunks end (multiples of ``prefill_chunk``)."""
         if not self.cache.enabled:
             return
         depth = req.computed // self.page_size
         H = depth * self.page_size
-        if H <= before or depth in req.snapshots or depth <= len(req.shared):
+        if H <= before or depth in req.snapshots or depth <= len(req.shared) or depth % self._snap_pages:
             return
         if prefill:
-            last = (req.prefill_target - 1) // self.page_size
+            if H != req.computed:
+                return  # a chunk of several pages ended past H: the rings hold more than H's state
+            last = (req.prefill_target - 1) // self.page_size // self._snap_pages * self._snap_pages
             if depth % self.snapshot_interval and depth != last:
                 return
         else:

@@ -57,7 +57,8 @@ def test_abort_of_an_unknown_request_names_it(model):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(page_size=24), r"page_size=24 must be a multiple of every compression rate \[4, 16\]"),
-    (dict(prefill_chunk=24), r"prefill_chunk=24 must divide page_size=32"),
+    (dict(prefill_chunk=24), r"prefill_chunk=24 must divide page_size=32 or be a multiple of it"),
+    (dict(prefill_chunk=64, spec_steps=1), r"prefill_chunk=64 must divide page_size=32 \("),  # MTP: divisors only
     (dict(max_running=0), r"max_running"),
     (dict(num_pages=1), r"num_pages"),
     (dict(num_pages=8, kv_memory_gb=1.0), r"num_pages or kv_memory_gb"),

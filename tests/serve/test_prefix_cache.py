@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dsv4_ops.serve.prefix_cache import PageAllocator, PrefixCache, page_keys
-from engine_cases import PAGE, engine, random_prompts, text_tokens, tiny_model, trained_model
+from dsv4_ops import Generator
+from engine_cases import MAX_LEN, PAGE, engine, random_prompts, text_tokens, tiny_model, trained_model
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,30 @@ def test_prompts_around_page_boundaries_hit_the_last_boundary_below_them(model, 
     assert _same([first], cold) and _same([again], cold)
     # at least one token is computed: the hit ends at the last boundary at or below n - 1
     assert first.cached == 0 and again.cached == (n - 1) // PAGE * PAGE
+    _drained(eng)
+
+
+@pytest.mark.parametrize("n", [2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1, 4 * PAGE + 3, 5 * PAGE])
+def test_chunks_of_two_pages_hit_the_last_chunk_end_below_the_prompt(model, n):
+    """``prefill_chunk`` a multiple of the page: snapshots only where chunks end, so a hit resumes
+    where a cold run cuts the prompt, and gives its tokens (and ``Generator``'s with that chunk)."""
+    rng = random.Random(n)
+    prompt = [rng.randrange(256) for _ in range(n)]
+    kw = dict(prefill_chunk=2 * PAGE, max_prefill_tokens=4 * PAGE)
+    cold = _one_by_one(engine(model, prefix_cache=False, **kw), [prompt], max_new_tokens=6)
+    eng = engine(model, **kw)
+    first, again = _one_by_one(eng, [prompt, prompt], max_new_tokens=6)
+    assert _same([first], cold) and _same([again], cold)
+    assert first.cached == 0 and again.cached == (n - 1) // (2 * PAGE) * (2 * PAGE)
+    gen = Generator(model, max_batch_size=1, max_seq_len=MAX_LEN, compile=False, prefill_chunk=2 * PAGE)
+    assert cold[0].tokens == gen.generate([prompt], max_new_tokens=6)[0]
+    # the next turn: it resumes at the prompt's last chunk end below n, or where decoding passed one
+    turn2 = prompt + first.tokens + [rng.randrange(256) for _ in range(5)]
+    hot = _one_by_one(eng, [turn2], max_new_tokens=6)
+    assert _same(hot, _one_by_one(engine(model, prefix_cache=False, **kw), [turn2], max_new_tokens=6))
+    C, computed = 2 * PAGE, n + 6 - 1  # positions in the cache when the first turn ended
+    passed = computed // C * C
+    assert hot[0].cached == max((n - 1) // C * C, passed if passed > n else 0)
     _drained(eng)
 
 
