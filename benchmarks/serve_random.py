@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engine's (default: one page)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--step-context", type=int, default=1024, help="prompt tokens of the timed batch-1 decode step")
@@ -65,7 +66,8 @@ def build(args: argparse.Namespace):
     if args.smoke:
         args.max_seq_len, args.page_size, args.step_context = min(args.max_seq_len, 256), 64, 32
     eng = Engine(model, max_running=args.max_running, max_seq_len=args.max_seq_len, page_size=args.page_size,
-                 prefix_cache=not args.no_prefix_cache, compile=not args.smoke, kv_cache_dtype=args.kv_cache_dtype)
+                 prefix_cache=not args.no_prefix_cache, compile=not args.smoke, kv_cache_dtype=args.kv_cache_dtype,
+                 prefill_chunk=args.prefill_chunk)
     rng = random.Random(0)
     name = "tiny" if args.smoke else args.config
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.step_context)]

@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="default: min(4096, the model's context)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait for a slot; past it, 503")
     p.add_argument("--page-size", type=int, default=None, help="default 256 (64 on the tiny config)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens a request computes per step: a divisor of the page size (default: one page, "
+                        "at most 256) or a multiple of it (fewer, larger steps for long prompts; prefix hits on "
+                        "chunk ends only)")
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
@@ -62,7 +66,8 @@ def build(args):
     try:
         engine = Engine(model, max_running=args.max_running, max_seq_len=max_seq_len, num_pages=args.num_pages,
                         kv_memory_gb=args.kv_memory_gb, page_size=page_size, prefix_cache=not args.no_prefix_cache,
-                        spec_steps=args.spec_steps, compile=compile, kv_cache_dtype=args.kv_cache_dtype)
+                        spec_steps=args.spec_steps, compile=compile, kv_cache_dtype=args.kv_cache_dtype,
+                        prefill_chunk=args.prefill_chunk)
     except ValueError as e:
         raise UsageError(str(e)) from None
     eos = eos_ids(path, tokenizer)

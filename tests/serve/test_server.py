@@ -355,3 +355,13 @@ def test_serve_random_serves_a_random_weight_model_to_bench_serve(tmp_path):
         assert row["failed"] == 0 and row["output_throughput"] == pytest.approx(4 * 3 / row["duration_s"])
     finally:
         s.stop()
+
+
+def test_a_bad_engine_setting_stops_the_server_before_it_starts_naming_the_setting():
+    from dsv4_ops.text.generate_cli import UsageError
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--config", "tiny", "--page-size", "32", "--prefill-chunk", "48", "--no-compile"])
+    with pytest.raises(UsageError, match=r"prefill_chunk=48 must divide page_size=32 or be a multiple of it"):
+        cli.build(args)
