@@ -6,14 +6,16 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    pages fit: match the prefix cache, restore the matched snapshot into the slot, point the
    slot's block-table row at the shared pages;
 2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
-   (chunks start at multiples of the chunk, which divides the page size, so a prefix hit and a
-   cold run cut a prompt at the same places); a request whose prompt ends samples its first token;
+   (chunks start at multiples of the chunk, a divisor or a multiple of the page size, and prefix
+   snapshots sit where chunks end, so a prefix hit and a cold run cut a prompt at the same places);
+   a request whose prompt ends samples its first token;
 3. a **decode** step for every request that has one, over slots ``0..bucket-1``; with
    ``spec_steps=k`` a speculative step instead (``spec.py``): the MTP block's ``k`` drafts are
    verified in one main-model step and each request advances by its own accepted count, its
    tokens exactly ``Generator(spec_steps=k)``'s;
-4. one read of the sampled tokens (the iteration's only host sync), then stop checks: a stop id
-   (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
+4. one read of the sampled tokens (the iteration's only wait for the GPU: inputs go to the device
+   without one, and the tokens come back through an event that waits for their copy only), then
+   stop checks: a stop id (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
    and snapshots to the prefix cache and frees its slot.
 
 **Overlap** (plain decode): while every running request decodes, the next decode step is launched
