@@ -15,8 +15,8 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    tokens exactly ``Generator(spec_steps=k)``'s;
 4. one read of the sampled tokens (the iteration's only wait for the GPU: inputs go to the device
    without one, and the tokens come back through an event that waits for their copy only), then
-   stop checks: a stop id (included in the output) or ``max_new_tokens``. A finished request publishes its full pages
-   and snapshots to the prefix cache and frees its slot.
+   stop checks: a stop id (included in the output) or ``max_new_tokens``. A finished request
+   publishes its full pages and snapshots to the prefix cache and frees its slot.
 
 **Overlap** (plain decode): while every running request decodes, the next decode step is launched
 from the current one's sampled tokens, which are still on the device, before the host reads them;
