@@ -9,7 +9,7 @@ speculative step. With ``--engine``: the serving ``Engine``'s decode iterations 
 the prompts' prefill, ``--batch`` requests), kernels and host per iteration. Prints per step: kernel count, summed kernel time, the step's time
 (benchmarks/timing.py) -- the gap to the kernel sum is launch / host time -- and the top kernels.
 
-    python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3 | --engine] [--config flash-slice] [--out prof.json]
+    python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3 | --engine] [--config flash-slice] [--out f.json]
 """
 from __future__ import annotations
 
