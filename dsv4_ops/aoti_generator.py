@@ -187,6 +187,9 @@ class AOTIGenerator(GenerationLoop):
             return self._run("spec_prefill", batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
         return self._run("prefill", batch.ids[j], batch.n_new(j))
 
+    def _decode_rows(self) -> Tensor:
+        return self._decode_mask
+
     def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B = len(self._host_lengths)
         self._ids.zero_()

@@ -7,6 +7,7 @@ stats. Each subclass supplies the steps:
     _prefill_chunk(j, batch) -> logits [bucket, vocab]   # chunk j ([bucket, batch.chunks[j]]) of a prepared batch
     _decode_step(ids [B], n_new) -> logits [B, vocab]   # one token per row (trusted ids); n_new [bucket]
                                                         # int32 (None = every request takes one)
+    _decode_rows() -> [bucket] int32                    # 1 for the prefilled requests, 0 for padding
     _spec_step(active [bucket] int32, params, filtered) -> (tokens [bucket, k+1], counts [bucket])
                                                         # params: SamplingParams or None (greedy)
     _start_drafts(first [B], sampling=False)            # speculative state after prefill
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from . import sampling
 from .generate_args import GenerateArgs, parse_generate_args
+from .host_transfer import start_read, to_device
 from .ops.validate import check_int
 from .sampling import SamplingParams
 
@@ -64,18 +66,14 @@ def check_prompts(prompts, max_batch_size: int, max_seq_len: int, vocab_size: in
     return rows
 
 
-def check_next_ids(next_ids, B: int, vocab_size: int) -> Tensor:
-    """``decode``'s argument -> a 1-D integer tensor of B ids in ``[0, vocab)`` (reads the values:
-    one host sync for a device tensor; an out-of-range id would otherwise index out of bounds)."""
+def check_next_ids(next_ids, B: int) -> Tensor:
+    """``decode``'s argument -> a 1-D integer tensor of B ids (dtype and shape; the values are
+    checked by ``decode`` while its step runs)."""
     next_ids = torch.as_tensor(next_ids)
     if next_ids.is_floating_point() or next_ids.is_complex() or next_ids.dtype == torch.bool:
         raise ValueError(f"decode: next_ids must hold integer token ids, got dtype {next_ids.dtype}")
     if next_ids.shape != (B,):
         raise ValueError(f"decode: next_ids must have shape [{B}] (the prefilled batch), got {tuple(next_ids.shape)}")
-    lo, hi = torch.stack(torch.aminmax(next_ids)).tolist()  # one kernel, one read (the host time of decode)
-    if lo < 0 or hi >= vocab_size:
-        i = int(((next_ids < 0) | (next_ids >= vocab_size)).nonzero()[0, 0])
-        raise ValueError(f"decode: next_ids[{i}] = {int(next_ids[i])} is outside [0, vocab_size={vocab_size})")
     return next_ids
 
 
@@ -225,20 +223,33 @@ class GenerationLoop:
     # ------------------------------------------------------------------ decode
     def decode(self, next_ids) -> Tensor:
         """One token per request (``next_ids [B]``, B = the prefilled batch) -> ``[B, vocab]``.
-        Checks the ids' values (one host sync on GPU) and times the step (``stats``)."""
+
+        Waits for the GPU only after launching its step, so that a loop of ``decode`` calls keeps the
+        GPU busy: the ids' range is read back while the step runs, which ran on the ids clamped into
+        the vocabulary and advanced no request unless every id was in it; a bad id then raises
+        ``ValueError`` naming it, and the state is what it was. ``stats["decode_time_s"]`` counts the
+        calls' wall time (in a loop, the step's period)."""
         B = len(self._host_lengths)
         if self.speculative:
             raise ValueError(f"decode: this {type(self).__name__} drafts with spec_steps > 0; use generate(), or "
                              "one without speculative decoding for token-by-token decode")
         if B == 0:
             raise ValueError("decode: call prefill first")
-        next_ids = check_next_ids(next_ids, B, self.vocab_size)
+        next_ids = check_next_ids(next_ids, B)
         if max(self._host_lengths) + 1 > self.max_seq_len:
             raise ValueError(f"decode: a request would exceed max_seq_len {self.max_seq_len}")
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
-        out = self._decode(next_ids.to(self.device, torch.long))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        ids, V = to_device(next_ids.to(torch.long), self.device), self.vocab_size
+        bounds = torch.stack(torch.aminmax(ids))
+        read = start_read(bounds)
+        every = self._decode_rows() * ((bounds[0] >= 0) & (bounds[1] < V))  # every request, or none
+        out = self._decode(ids.clamp(0, V - 1), every)
+        lo, hi = read()
+        if lo < 0 or hi >= V:  # the step wrote nothing: undo the host's count of it
+            self._host_lengths = [n - 1 for n in self._host_lengths]
+            self._stats["decode_steps"] -= 1
+            i = int(((next_ids < 0) | (next_ids >= V)).nonzero()[0, 0])
+            raise ValueError(f"decode: next_ids[{i}] = {int(next_ids[i])} is outside [0, vocab_size={V})")
         self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), B)
         return out
 

@@ -196,6 +196,9 @@ class Generator(GenerationLoop):
         return self._run("spec_prefill", batch.bucket, self._compiled("spec_prefill"), batch.ids[j],
                          batch.next_ids[j], batch.n_new(j), batch.n_mtp(j), chunk=chunk)
 
+    def _decode_rows(self) -> Tensor:
+        return self._decode_n_new
+
     def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B, bucket = len(self._host_lengths), self._bucket
         n_new = self._decode_n_new if n_new is None else n_new  # padding rows: 0 new

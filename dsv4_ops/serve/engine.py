@@ -51,6 +51,7 @@ from .. import cudagraph_replays
 from ..compiled_steps import CompiledSteps, batch_buckets, compile_step
 from ..generate_args import parse_generate_args
 from ..generation_loop import check_prompts
+from ..host_transfer import start_read, to_device
 from ..model.kv_cache_dtype import check_kv_cache_dtype
 from ..ops.validate import check_int
 from ..sampling import SamplingParams
@@ -312,7 +313,7 @@ class Engine:
         else:
             results = self._schedule()  # (kind, items, each step's tokens [bucket, width], each item's row)
         if results:  # queued before an early step, so that reading them does not wait for it
-            read = self._start_read(torch.cat([tokens.flatten() for _, _, tokens, _ in results]))
+            read = start_read(torch.cat([tokens.flatten() for _, _, tokens, _ in results]))
         if self.overlap and len(results) == 1 and results[0][0] == "decode":
             self._ahead = self._launch_early(results[0][1], results[0][2])
         if results:
@@ -493,28 +494,6 @@ class Engine:
             self.pool.block_table.copy_(self._block_table, non_blocking=True)
             self._table_dirty = False
 
-    def _start_read(self, tokens: torch.Tensor):
-        """Copy ``tokens`` to the host asynchronously -> a function that waits for the copy (only
-        for it, not for steps launched later) and returns them as a list."""
-        if self.device.type != "cuda":
-            return tokens.tolist
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-
-        def read() -> list[int]:
-            copied.synchronize()
-            return host.tolist()
-        return read
-
-    def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
-        """Step inputs on the device without a host sync (a plain host-to-device copy waits for the
-        stream): staged in pinned memory, whose caching allocator keeps each buffer until its copy ran."""
-        if self.device.type != "cuda":
-            return list(host)
-        return [t.pin_memory().to(self.device, non_blocking=True) for t in host]
-
     def _params(self, rows: list[_Request | None]) -> tuple[SamplingParams, bool]:
         """The sampling settings of each row (``None``: a greedy padding row) and ``filtered``; the
         same rows as a recent step's reuse its tensors (a steady decode batch copies none)."""
@@ -526,7 +505,7 @@ class Engine:
                 ([r.top_k if r else 0 for r in rows], torch.int64),
                 ([r.top_p if r else 1.0 for r in rows], torch.float32),
                 ([r.seed if r else 0 for r in rows], torch.int64))
-        params = SamplingParams(*self._to_device(*(torch.tensor(v, dtype=d) for v, d in cols)))
+        params = SamplingParams(*(to_device(torch.tensor(v, dtype=d), self.device) for v, d in cols))
         filtered = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
         if len(self._params_made) >= 8:  # the row sets of the last few steps (prefill, decode)
             self._params_made.clear()
@@ -546,7 +525,7 @@ class Engine:
             starts[i] = not r.generated and r.computed + n == r.prefill_target
         params, filtered = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
-        args = self._to_device(ids, rows, n_new, *([starts] if self.spec is not None else []))
+        args = [to_device(t, self.device) for t in (ids, rows, n_new, *([starts] if self.spec is not None else []))]
         tokens, _ = self._run("prefill", bucket, filtered, *args, params)
         self._stats["prefill_steps"] += 1
         return tokens
@@ -565,17 +544,17 @@ class Engine:
         self._sync_table()
         self._stats["decode_steps"] += 1
         if self.spec is not None:  # the next tokens are on the device already (spec.last_tok)
-            n_new, = self._to_device(n_new)
+            n_new = to_device(n_new, self.device)
             if any(r.temperature > 0 for r in batch):
                 return self._run("decode_sample", bucket, filtered, n_new, params)[0]
             # greedy rows only: no distributions to compute (the tokens are the same either way)
             return self._run("decode", bucket, False, n_new)[0]
-        n_new, = self._to_device(n_new)
+        n_new = to_device(n_new, self.device)
         if ids is None:
             ids = torch.zeros(bucket, 1, dtype=torch.long)
             for r in batch:
                 ids[r.slot, 0] = r.generated[-1] if r.generated else r.prompt[-1]
-            ids, = self._to_device(ids)
+            ids = to_device(ids, self.device)
         else:
             ids = ids[:bucket]
         tokens, _ = self._run("decode", bucket, filtered, ids, None, n_new, params)

@@ -98,3 +98,45 @@ def test_chunk_buckets_replay_for_new_prompt_lengths_and_give_the_eager_tokens(s
     assert gen._graphs == graphs and gen.stats["recompiles"] == 0 and gen.stats["graph_breaks"] == 0
     assert gen.stats["cuda_graph_replays"] > 0
     assert got == want
+
+
+def test_a_decode_loop_never_syncs_the_stream_and_a_bad_id_still_raises(tol):
+    """``decode`` launches its step before it reads the ids' range back (through an event), so a loop
+    of ``decode(logits.argmax(-1))`` keeps the GPU busy: the sync debug mode flags no stream sync
+    (one known sync shows that it is on), the logits are the eager ones, and an out-of-range id
+    still raises in its own call and leaves the state as it was."""
+    import collections
+    import warnings
+    from pathlib import Path
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = random_model(DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8), dtype=torch.float32, device="cuda")
+    prompts = [[3, 1, 4, 1, 5], list(range(20))]
+    eager = Generator(model, compile=False, max_batch_size=2, max_seq_len=64, prefill_chunk=16)
+    want = [eager.prefill(prompts)]
+    for _ in range(8):
+        want.append(eager.decode(want[-1].argmax(-1)))
+    gen = Generator(model, compile=True, cuda_graphs=True, max_batch_size=2, max_seq_len=64, prefill_chunk=16)
+    got = [gen.prefill(prompts)]
+    got.append(gen.decode(got[-1].argmax(-1)))  # compiles and records
+    got.append(gen.decode(got[-1].argmax(-1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(6):
+                got.append(gen.decode(got[-1].argmax(-1)))
+            torch.ones(1, device="cuda").item()  # the known sync
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "called a synchronizing CUDA operation" in str(w.message))
+    assert list(syncs.values()) == [1] and next(iter(syncs)).startswith(Path(__file__).name), syncs
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol("compiled_generator_vs_eager"))
+    bad = got[-1].argmax(-1)
+    bad[1] = model.config.vocab_size
+    with pytest.raises(ValueError, match=r"next_ids\[1\] = .* is outside"):
+        gen.decode(bad)
+    want.append(eager.decode(want[-1].argmax(-1)))
+    torch.testing.assert_close(gen.decode(got[-1].argmax(-1)), want[-1], **tol("compiled_generator_vs_eager"))
