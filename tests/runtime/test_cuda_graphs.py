@@ -105,9 +105,7 @@ def test_a_decode_loop_never_syncs_the_stream_and_a_bad_id_still_raises(tol):
     of ``decode(logits.argmax(-1))`` keeps the GPU busy: the sync debug mode flags no stream sync
     (one known sync shows that it is on), the logits are the eager ones, and an out-of-range id
     still raises in its own call and leaves the state as it was."""
-    import collections
-    import warnings
-    from pathlib import Path
+    from cuda_syncs import counted_syncs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_model(DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8), dtype=torch.float32, device="cuda")
@@ -120,18 +118,10 @@ def test_a_decode_loop_never_syncs_the_stream_and_a_bad_id_still_raises(tol):
     got = [gen.prefill(prompts)]
     got.append(gen.decode(got[-1].argmax(-1)))  # compiles and records
     got.append(gen.decode(got[-1].argmax(-1)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(6):
-                got.append(gen.decode(got[-1].argmax(-1)))
-            torch.ones(1, device="cuda").item()  # the known sync
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                if "called a synchronizing CUDA operation" in str(w.message))
-    assert list(syncs.values()) == [1] and next(iter(syncs)).startswith(Path(__file__).name), syncs
+    with counted_syncs() as syncs:
+        for _ in range(6):
+            got.append(gen.decode(got[-1].argmax(-1)))
+    assert not syncs, syncs  # where each one came from
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **tol("compiled_generator_vs_eager"))
     bad = got[-1].argmax(-1)

@@ -1,13 +1,11 @@
 """The compiled engine: one graph per (step kind, bucket); over hundreds of steps with requests
 joining and leaving, no recompiles and no graph breaks, and the compiled tokens are the eager ones."""
-import collections
 import random
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
+from cuda_syncs import counted_syncs
 from engine_cases import CHUNK, engine, random_prompts, run_arriving, text_prompts, tiny_model, trained_model
 
 
@@ -78,17 +76,9 @@ def test_cuda_graphs_replay_after_warm_up_and_requests_coming_and_going_record_n
     assert eng.cuda_graphs
     run_arriving(eng, reqs[:4], random.Random(1))  # warm-up: every (kind, bucket) graph compiled and recorded
     graphs, replays = dict(eng._graphs), eng.stats["cuda_graph_replays"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            got = run_arriving(eng, reqs, random.Random(2))
-            torch.ones(1, device="cuda").item()  # the known sync
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                if "called a synchronizing CUDA operation" in str(w.message))
-    assert list(syncs.values()) == [1] and next(iter(syncs)).startswith(Path(__file__).name), syncs
+    with counted_syncs() as syncs:
+        got = run_arriving(eng, reqs, random.Random(2))
+    assert not syncs, syncs  # where each one came from
     assert eng.stats["early_steps"] > 0
     assert eng._graphs == graphs and eng.stats["recompiles"] == 0 and eng.stats["graph_breaks"] == 0
     assert eng.stats["cuda_graph_replays"] - replays >= eng.stats["steps"] // 2
