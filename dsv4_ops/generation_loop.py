@@ -240,12 +240,11 @@ class GenerationLoop:
             raise ValueError(f"decode: a request would exceed max_seq_len {self.max_seq_len}")
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         ids, V = to_device(next_ids.to(torch.long), self.device), self.vocab_size
-        bounds = torch.stack(torch.aminmax(ids))
-        read = start_read(bounds)
-        every = self._decode_rows() * ((bounds[0] >= 0) & (bounds[1] < V))  # every request, or none
-        out = self._decode(ids.clamp(0, V - 1), every)
-        lo, hi = read()
-        if lo < 0 or hi >= V:  # the step wrote nothing: undo the host's count of it
+        clamped = ids.clamp(0, V - 1)
+        in_vocab = (clamped == ids).all()
+        read = start_read(in_vocab)
+        out = self._decode(clamped, self._decode_rows() * in_vocab)  # every request advances, or none
+        if not read():  # the step wrote nothing: undo the host's count of it
             self._host_lengths = [n - 1 for n in self._host_lengths]
             self._stats["decode_steps"] -= 1
             i = int(((next_ids < 0) | (next_ids >= V)).nonzero()[0, 0])

@@ -90,7 +90,9 @@ def engine_decode(model, prompts: list[list[int]], reps: int, log) -> dict:
     ctx = len(prompts[0])
     eng = Engine(model, max_running=len(prompts), max_seq_len=ctx + 4 * reps + 64, prefix_cache=False)
 
-    def decoding() -> None:  # fresh requests, stepped until each has its first token: later steps decode
+    def decoding() -> None:  # the running requests done, fresh ones stepped to their first token: later steps decode
+        while eng.has_unfinished():
+            eng.step()
         ids = {eng.add_request(p, max_new_tokens=reps + 2) for p in prompts}
         started: set[int] = set()
         while started != ids:
@@ -106,16 +108,12 @@ def engine_decode(model, prompts: list[list[int]], reps: int, log) -> dict:
         eng.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / (eng.stats["decode_steps"] - s0)
-    while eng.has_unfinished():
-        eng.step()
     decoding()
     s0 = eng.stats["decode_steps"]
     got = kernels(lambda: [eng.step() for _ in range(reps)])
     n = eng.stats["decode_steps"] - s0
     tab = table({k: (len(v) / n, sum(v) / n) for k, v in got.items()}, step_ms,
                 f"engine step() B={len(prompts)} ctx={ctx}", log)
-    while eng.has_unfinished():
-        eng.step()
     decoding()
     tab["host"] = host_profile(lambda: [eng.step() for _ in range(reps)], reps, log)
     return tab

@@ -494,9 +494,10 @@ class Engine:
             self.pool.block_table.copy_(self._block_table, non_blocking=True)
             self._table_dirty = False
 
-    def _params(self, rows: list[_Request | None]) -> tuple[SamplingParams, bool]:
-        """The sampling settings of each row (``None``: a greedy padding row) and ``filtered``; the
-        same rows as a recent step's reuse its tensors (a steady decode batch copies none)."""
+    def _params(self, rows: list[_Request | None]) -> tuple[SamplingParams, bool, torch.Tensor]:
+        """The sampling settings of each row (``None``: a greedy padding row), ``filtered``, and
+        which rows hold a request (``[rows] int32``, a decode step's ``n_new``); the same rows as
+        a recent step's reuse its tensors (a steady decode batch copies none)."""
         key = tuple(r.rid if r else -1 for r in rows)
         if key in self._params_made:
             return self._params_made[key]
@@ -504,13 +505,14 @@ class Engine:
         cols = (([r.temperature if r else 0.0 for r in rows], torch.float32),
                 ([r.top_k if r else 0 for r in rows], torch.int64),
                 ([r.top_p if r else 1.0 for r in rows], torch.float32),
-                ([r.seed if r else 0 for r in rows], torch.int64))
-        params = SamplingParams(*(to_device(torch.tensor(v, dtype=d), self.device) for v, d in cols))
+                ([r.seed if r else 0 for r in rows], torch.int64),
+                ([int(r is not None) for r in rows], torch.int32))
+        *params, held = (to_device(torch.tensor(v, dtype=d), self.device) for v, d in cols)
         filtered = any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in reqs)
         if len(self._params_made) >= 8:  # the row sets of the last few steps (prefill, decode)
             self._params_made.clear()
-        self._params_made[key] = params, filtered
-        return params, filtered
+        self._params_made[key] = made = SamplingParams(*params), filtered, held
+        return made
 
     def _run_prefill(self, batch: list[tuple[_Request, int]]) -> torch.Tensor:
         bucket = next(b for b in self.prefill_buckets if b >= len(batch))
@@ -523,7 +525,7 @@ class Engine:
             ids[i, :n] = torch.tensor(r.token_range(r.computed, r.computed + n))
             rows[i], n_new[i] = r.slot, n
             starts[i] = not r.generated and r.computed + n == r.prefill_target
-        params, filtered = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
+        params, filtered, _ = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
         args = [to_device(t, self.device) for t in (ids, rows, n_new, *([starts] if self.spec is not None else []))]
         tokens, _ = self._run("prefill", bucket, filtered, *args, params)
@@ -536,20 +538,17 @@ class Engine:
         tokens on the device (a wider step's sampled tokens, row = slot), else each request's last."""
         top = max(r.slot for r in batch) + 1
         bucket = next(b for b in self.decode_buckets if b >= top)
-        n_new = torch.zeros(bucket, dtype=torch.int32)
         by_slot: list[_Request | None] = [None] * bucket
         for r in batch:
-            n_new[r.slot], by_slot[r.slot] = 1, r
-        params, filtered = self._params(by_slot)
+            by_slot[r.slot] = r
+        params, filtered, n_new = self._params(by_slot)
         self._sync_table()
         self._stats["decode_steps"] += 1
         if self.spec is not None:  # the next tokens are on the device already (spec.last_tok)
-            n_new = to_device(n_new, self.device)
             if any(r.temperature > 0 for r in batch):
                 return self._run("decode_sample", bucket, filtered, n_new, params)[0]
             # greedy rows only: no distributions to compute (the tokens are the same either way)
             return self._run("decode", bucket, False, n_new)[0]
-        n_new = to_device(n_new, self.device)
         if ids is None:
             ids = torch.zeros(bucket, 1, dtype=torch.long)
             for r in batch:
