@@ -34,7 +34,8 @@ made so far as part of its prompt. ``add_request`` rejects a request that no poo
 ever hold.
 
 Every step's shapes are ``(kind, bucket)``: decode buckets 1, 2, 4, ... ``max_running``, prefill
-buckets 1, 2, 4, ... the prefill rows; sampling settings are tensor inputs, ``filtered`` (any
+buckets 1, 2, 4, ... the prefill rows, each at a few widths up to ``prefill_chunk`` (a step runs at
+the narrowest that holds its chunks: a short prompt or a tail after a prefix hit pays no full chunk); sampling settings are tensor inputs, ``filtered`` (any
 top-k / top-p) the one static choice (and, speculative, whether any row samples: kind
 ``decode_sample``). Requests coming and going add no graphs.
 """
@@ -50,7 +51,7 @@ import torch
 from .. import cudagraph_replays
 from ..compiled_steps import CompiledSteps, batch_buckets, compile_step
 from ..generate_args import parse_generate_args
-from ..generation_loop import check_prompts
+from ..generation_loop import check_prompts, chunk_buckets
 from ..host_transfer import start_read, to_device
 from ..model.kv_cache_dtype import check_kv_cache_dtype
 from ..ops.validate import check_int
@@ -152,7 +153,8 @@ class Engine:
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
         prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``): a divisor of
             ``page_size``, or (``spec_steps=0``) a multiple of it, which takes a long prompt in fewer,
-            larger steps while prefix hits land on chunk ends only.
+            larger steps while prefix hits land on chunk ends only (a shared prefix shorter than a
+            chunk is then never hit). A step whose chunks are all short runs at a narrower width.
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
@@ -243,6 +245,9 @@ class Engine:
         if self.cuda_graphs:
             cudagraph_replays.install()
         self.decode_buckets, self.prefill_buckets = batch_buckets(max_running), batch_buckets(self.prefill_rows)
+        # a step's chunks may all be short (a prompt's tail after a prefix hit, short prompts): it runs at
+        # the narrowest width that holds them, one of a few, so that it does not pay for a full chunk
+        self.prefill_widths = [w for w in chunk_buckets(prefill_chunk) if w < prefill_chunk] + [prefill_chunk]
         self._fns: dict[tuple[str, bool], object] = {}
         self.overlap = overlap and not spec_steps
         self._ahead: tuple[list[_Request], torch.Tensor] | None = None  # a decode step launched, not read
@@ -390,17 +395,28 @@ class Engine:
     def warm_up(self, filtered: bool = True) -> dict:
         """Run every step shape the engine can take once, so that no request later waits for a compile
         or a CUDA-graph recording: for each decode bucket ``b``, ``b`` short requests at once (slots
-        ``0..b-1``; their prefill covers the prefill buckets), greedy, sampled, and (``filtered``)
+        ``0..b-1``; their prefill covers the prefill buckets at the narrowest width), then for each wider
+        prefill width, each prefill bucket's rows of prompts that long; greedy, sampled, and (``filtered``)
         sampled with top-p: without it, a load that never asks for top-k / top-p compiles half as many
         graphs. Returns ``{"keys": step shapes run, "compile_time_s": ..., "seconds": ...}``. A server
         calls it before it reports ready; the requests leave no pages, slots or cached prefixes behind."""
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         sampling = (dict(), dict(temperature=1.0, seed=0)) + ((dict(temperature=1.0, top_p=0.9, seed=0),)
                                                                if filtered else ())
-        for b in self.decode_buckets:
-            prompts = [[(2 * i + j) % self.vocab_size for j in range(2)] for i in range(b)]
-            for kw in sampling:
-                self.generate(prompts, max_new_tokens=2, **kw)
+        short = min(2, self.max_seq_len)
+        runs = [[[(2 * i + j) % self.vocab_size for j in range(short)] for i in range(b)] for b in self.decode_buckets]
+        # a width no admissible prompt reaches never runs
+        widths = [w for w in self.prefill_widths[1:]
+                  if w <= self.max_seq_len and -(-w // self.page_size) < self.allocator.num_pages]
+        runs += [[[(i + j) % self.vocab_size for j in range(w)] for i in range(b)]
+                 for w in widths for b in self.prefill_buckets]
+        enabled, self.cache.enabled = self.cache.enabled, False  # its long prompts are not worth caching
+        try:
+            for prompts in runs:
+                for kw in sampling:
+                    self.generate(prompts, max_new_tokens=min(2, self.max_seq_len + 1 - len(prompts[0])), **kw)
+        finally:
+            self.cache.enabled = enabled
         return dict(keys=len(self._calls.keys), compile_time_s=self._stats["compile_time_s"] - compile_before,
                     seconds=time.perf_counter() - t0)
 
@@ -516,7 +532,7 @@ class Engine:
 
     def _run_prefill(self, batch: list[tuple[_Request, int]]) -> torch.Tensor:
         bucket = next(b for b in self.prefill_buckets if b >= len(batch))
-        C = self.prefill_chunk
+        C = next(w for w in self.prefill_widths if w >= max(n for _, n in batch))
         ids = torch.zeros(bucket, C, dtype=torch.long)
         rows = torch.full((bucket,), self.max_running, dtype=torch.long)  # padding: the dummy slot
         n_new = torch.zeros(bucket, dtype=torch.int32)
@@ -528,7 +544,7 @@ class Engine:
         params, filtered, _ = self._params([r for r, _ in batch] + [None] * (bucket - len(batch)))
         self._sync_table()
         args = [to_device(t, self.device) for t in (ids, rows, n_new, *([starts] if self.spec is not None else []))]
-        tokens, _ = self._run("prefill", bucket, filtered, *args, params)
+        tokens, _ = self._run("prefill", (bucket, C), filtered, *args, params)
         self._stats["prefill_steps"] += 1
         return tokens
 
@@ -573,12 +589,12 @@ class Engine:
             self._fns[key] = compile_step(fn, self.cuda_graphs) if self.compiled else fn
         return self._fns[key]
 
-    def _run(self, kind: str, bucket: int, filtered: bool, *args):
+    def _run(self, kind: str, bucket: int | tuple[int, int], filtered: bool, *args):
         return self._calls.run((kind, bucket, filtered), self._fn(kind, filtered), *args)
 
     @property
     def _graphs(self) -> dict[tuple, int]:
-        """Graphs compiled per ``(step kind, bucket, filtered)``."""
+        """Graphs compiled per ``(step kind, bucket, filtered)``; a prefill bucket is ``(rows, width)``."""
         return self._calls.graphs
 
     # ------------------------------------------------------------------ after a step

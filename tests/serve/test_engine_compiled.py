@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cuda_syncs import counted_syncs
-from engine_cases import CHUNK, engine, random_prompts, run_arriving, text_prompts, tiny_model, trained_model
+from engine_cases import CHUNK, PAGE, engine, random_prompts, run_arriving, text_prompts, tiny_model, trained_model
 
 
 @pytest.mark.parametrize("spec_steps", [0, 1])
@@ -24,7 +24,7 @@ def test_requests_joining_and_leaving_add_no_graphs_over_200_compiled_steps(spec
     s = eng.stats
     assert s["steps"] >= 200
     assert s["recompiles"] == 0 and s["graph_breaks"] == 0
-    assert sorted(eng._graphs) == [("decode", 1, False), ("decode", 2, False), ("prefill", 1, False)]
+    assert sorted(eng._graphs) == [("decode", 1, False), ("decode", 2, False), ("prefill", (1, CHUNK), False)]
     assert all(n == 1 for n in eng._graphs.values())
     want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20, spec_steps=spec_steps),
                         reqs, random.Random(0))
@@ -47,7 +47,7 @@ def test_warm_up_runs_every_step_shape_a_load_can_take(spec_steps):
     decode = {("decode", b, False) for b in (1, 2, 4)}
     decode |= ({("decode_sample", b, f) for b in (1, 2, 4) for f in (False, True)} if spec_steps else
                {("decode", b, True) for b in (1, 2, 4)})
-    assert warmed == decode | {("prefill", b, f) for b in (1, 2) for f in (False, True)}
+    assert warmed == decode | {("prefill", (b, CHUNK), f) for b in (1, 2) for f in (False, True)}
     assert info["keys"] == len(warmed) and {k: eng.stats[k] for k in initial} == initial
 
     rng = random.Random(8)
@@ -59,6 +59,21 @@ def test_warm_up_runs_every_step_shape_a_load_can_take(spec_steps):
     run_arriving(eng, reqs, rng)
     assert ("decode", 4, False) in eng._calls.keys and len(eng._calls.keys) >= 5
     assert eng._calls.keys <= warmed
+
+
+def test_warm_up_runs_every_prefill_width_and_caches_no_prefix():
+    """With chunks of 8 pages, prefill steps take widths 64 and 256: the warm-up runs both at every
+    prefill bucket (its long prompts are not cached), and prompts of any length then run only those."""
+    eng = engine(tiny_model(3), max_running=2, max_seq_len=512, prefill_chunk=8 * PAGE, num_pages=40)
+    initial = {k: eng.stats[k] for k in ("pages_free", "pages_cached", "running", "waiting")}
+    eng.warm_up(filtered=False)
+    warmed = set(eng._calls.keys)
+    assert {k[1] for k in warmed if k[0] == "prefill"} == {(b, w) for b in (1, 2) for w in (64, 8 * PAGE)}
+    assert {k: eng.stats[k] for k in initial} == initial
+    rng = random.Random(2)
+    eng._calls.keys.clear()
+    run_arriving(eng, [dict(prompt_ids=p, max_new_tokens=4) for p in random_prompts(rng, 8, (1, 400))], rng)
+    assert eng._calls.keys <= warmed and eng.stats["prefill_steps"] > 0
 
 
 @pytest.mark.gpu

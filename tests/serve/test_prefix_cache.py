@@ -132,6 +132,28 @@ def test_chunks_of_two_pages_hit_the_last_chunk_end_below_the_prompt(model, n):
     _drained(eng)
 
 
+def test_a_step_of_short_chunks_runs_at_a_narrower_width_and_a_hit_pays_only_for_its_tail(model):
+    """A chunk of 8 pages (256 tokens) compiles prefill widths 64 and 256: a prompt's 256-token chunk
+    runs at 256 and its 44-token tail at 64; a request that hits the first chunk runs only a 64-wide
+    step. The tokens are the cold run's and ``Generator``'s with that chunk."""
+    rng = random.Random(3)
+    system = [rng.randrange(256) for _ in range(8 * PAGE)]
+    prompts = [system + [rng.randrange(256) for _ in range(n)] for n in (44, 20)]
+    kw = dict(max_seq_len=512, prefill_chunk=8 * PAGE, max_prefill_tokens=8 * PAGE, num_pages=40)
+    eng = engine(model, **kw)
+    assert eng.prefill_widths == [64, 8 * PAGE]
+    widths = []
+    for p in prompts:
+        eng._calls.keys.clear()
+        got = _one_by_one(eng, [p], max_new_tokens=6)
+        widths.append(sorted(key[1][1] for key in eng._calls.keys if key[0] == "prefill"))
+    assert widths == [[64, 8 * PAGE], [64]] and eng.stats["prefix_hit_tokens"] == 8 * PAGE
+    assert _same(got, _one_by_one(engine(model, prefix_cache=False, **kw), prompts[1:], max_new_tokens=6))
+    gen = Generator(model, max_batch_size=1, max_seq_len=512, compile=False, prefill_chunk=8 * PAGE)
+    assert got[0].tokens == gen.generate(prompts[1:], max_new_tokens=6)[0]
+    _drained(eng)
+
+
 @pytest.mark.parametrize("spec_steps", [0, 1])
 def test_a_multi_turn_conversation_resumes_at_the_last_boundary_it_reached(model, spec_steps, tol):
     rng = random.Random(8)
