@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=256)
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engine's (default: one page)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the engine's (default: whole pages up to 2048 tokens)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--step-context", type=int, default=1024, help="prompt tokens of the timed batch-1 decode step")

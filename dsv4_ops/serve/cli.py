@@ -27,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait for a slot; past it, 503")
     p.add_argument("--page-size", type=int, default=None, help="default 256 (64 on the tiny config)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens a request computes per step: a divisor of the page size (default: one page, "
-                        "at most 256) or a multiple of it (fewer, larger steps for long prompts; prefix hits on "
-                        "chunk ends only)")
+                   help="prompt tokens a request computes per step: a divisor of the page size or a multiple of it "
+                        "(prefix hits on chunk ends and prompts' last page boundaries); default: the whole pages "
+                        "that fit in 2048 tokens (speculative: one page, at most 256)")
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
@@ -75,7 +75,8 @@ def build(args):
     def warmup(eng) -> None:  # every step shape: no request waits for a compile once /health says ok
         print(f"warm-up: {eng.warm_up()}", file=sys.stderr, flush=True)
 
-    worker = EngineThread(engine, max_waiting=args.max_waiting).start(warmup)
+    # an eager engine has no graphs to compile or record: it serves at once
+    worker = EngineThread(engine, max_waiting=args.max_waiting).start(warmup if compile else None)
     name = args.served_model_name or ("tiny" if args.config else Path(path).name)
     return create_app(worker, tokenizer, name, eos, args.api_key), worker, name
 

@@ -6,8 +6,9 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    pages fit: match the prefix cache, restore the matched snapshot into the slot, point the
    slot's block-table row at the shared pages;
 2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
-   (chunks start at multiples of the chunk, a divisor or a multiple of the page size, and prefix
-   snapshots sit where chunks end, so a prefix hit and a cold run cut a prompt at the same places);
+   (chunks start at multiples of the chunk, a divisor or a multiple of the page size, or at the
+   prompt's last page boundary, and prefix snapshots sit where chunks end, so a prefix hit and a
+   cold run cut a prompt at the same places);
    a request whose prompt ends samples its first token;
 3. a **decode** step for every request that has one, over slots ``0..bucket-1``; with
    ``spec_steps=k`` a speculative step instead (``spec.py``): the MTP block's ``k`` drafts are
@@ -35,9 +36,10 @@ ever hold.
 
 Every step's shapes are ``(kind, bucket)``: decode buckets 1, 2, 4, ... ``max_running``, prefill
 buckets 1, 2, 4, ... the prefill rows, each at a few widths up to ``prefill_chunk`` (a step runs at
-the narrowest that holds its chunks: a short prompt or a tail after a prefix hit pays no full chunk); sampling settings are tensor inputs, ``filtered`` (any
-top-k / top-p) the one static choice (and, speculative, whether any row samples: kind
-``decode_sample``). Requests coming and going add no graphs.
+the narrowest that holds its chunks: a short prompt or a tail after a prefix hit pays no full
+chunk); sampling settings are tensor inputs, ``filtered`` (any top-k / top-p) the one static
+choice (and, speculative, whether any row samples: kind ``decode_sample``). Requests coming and
+going add no graphs.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ import torch
 from .. import cudagraph_replays
 from ..compiled_steps import CompiledSteps, batch_buckets, compile_step
 from ..generate_args import parse_generate_args
-from ..generation_loop import check_prompts, chunk_buckets
+from ..generation_loop import LARGEST_CHUNK, check_prompts, chunk_buckets
 from ..host_transfer import start_read, to_device
 from ..model.kv_cache_dtype import check_kv_cache_dtype
 from ..ops.validate import check_int
@@ -151,10 +153,11 @@ class Engine:
             snapshot then also holds the MTP block's window ring and the streams it starts from.
         compile / cuda_graphs: as ``Generator``.
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
-        prefill_chunk: tokens per prefill row per step (default ``min(page_size, 256)``): a divisor of
-            ``page_size``, or (``spec_steps=0``) a multiple of it, which takes a long prompt in fewer,
-            larger steps while prefix hits land on chunk ends only (a shared prefix shorter than a
-            chunk is then never hit). A step whose chunks are all short runs at a narrower width.
+        prefill_chunk: tokens per prefill row per step: a divisor of ``page_size``, or (``spec_steps=0``)
+            a multiple of it, which takes a long prompt in fewer, larger steps; chunks then also end at
+            each prompt's last page boundary, and prefix hits land on chunk ends only. A step whose
+            chunks are all short runs at a narrower width. Default: the whole pages that fit in 2048
+            tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
@@ -185,7 +188,9 @@ class Engine:
             if page_size % r:
                 raise ValueError(f"Engine: page_size={page_size} must be a multiple of every compression rate "
                                  f"{rates} (a page boundary may not split a compressed block)")
-        prefill_chunk = prefill_chunk or min(page_size, 256)
+        if prefill_chunk is None:  # whole pages up to 2048 tokens: a step reads every expert's weights anyway
+            pages = 0 if spec_steps else min(LARGEST_CHUNK, max_seq_len) // page_size
+            prefill_chunk = pages * page_size if pages else min(page_size, 256)
         check_int("prefill_chunk", prefill_chunk, 1)
         if page_size % prefill_chunk and (prefill_chunk % page_size or spec_steps):
             multiple = "" if spec_steps else " or be a multiple of it"
@@ -393,23 +398,26 @@ class Engine:
         return [got[rid] for rid in ids]
 
     def warm_up(self, filtered: bool = True) -> dict:
-        """Run every step shape the engine can take once, so that no request later waits for a compile
-        or a CUDA-graph recording: for each decode bucket ``b``, ``b`` short requests at once (slots
-        ``0..b-1``; their prefill covers the prefill buckets at the narrowest width), then for each wider
-        prefill width, each prefill bucket's rows of prompts that long; greedy, sampled, and (``filtered``)
-        sampled with top-p: without it, a load that never asks for top-k / top-p compiles half as many
-        graphs. Returns ``{"keys": step shapes run, "compile_time_s": ..., "seconds": ...}``. A server
-        calls it before it reports ready; the requests leave no pages, slots or cached prefixes behind."""
+        """Run every step shape the engine can take (twice with CUDA graphs), so that no request later
+        waits for a compile or a CUDA-graph recording: for each decode bucket ``b``, ``b`` short
+        requests at once (slots ``0..b-1``; their prefill covers the prefill buckets at the narrowest
+        width), then for each wider prefill width each prefill bucket's rows of prompts that reach it;
+        greedy, sampled, and (``filtered``) sampled with top-p: without it, a load that never asks for
+        top-k / top-p compiles half as many graphs. Returns ``{"keys": step shapes run,
+        "compile_time_s": ..., "seconds": ...}``. A server calls it before it reports ready; the
+        requests leave no pages, slots or cached prefixes behind."""
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
-        sampling = (dict(), dict(temperature=1.0, seed=0)) + ((dict(temperature=1.0, top_p=0.9, seed=0),)
-                                                               if filtered else ())
+        sampling = [dict(), dict(temperature=1.0, seed=0)] + ([dict(temperature=1.0, top_p=0.9, seed=0)]
+                                                             if filtered else [])
+        # with CUDA graphs each twice: a graph is recorded on its step's second call, the first warms up
+        sampling *= 2 if self.cuda_graphs else 1
         short = min(2, self.max_seq_len)
         runs = [[[(2 * i + j) % self.vocab_size for j in range(short)] for i in range(b)] for b in self.decode_buckets]
-        # a width no admissible prompt reaches never runs
-        widths = [w for w in self.prefill_widths[1:]
-                  if w <= self.max_seq_len and -(-w // self.page_size) < self.allocator.num_pages]
-        runs += [[[(i + j) % self.vocab_size for j in range(w)] for i in range(b)]
-                 for w in widths for b in self.prefill_buckets]
+        for narrower in self.prefill_widths[:-1]:  # the shortest prompts whose first chunk is wider
+            n = next((n for n in range(narrower + 1, self.max_seq_len + 1) if self._first_chunk(n) > narrower), None)
+            if n is not None and -(-n // self.page_size) < self.allocator.num_pages:  # else no prompt gets there
+                runs += [[[(i + j) % self.vocab_size for j in range(n)] for i in range(b)]
+                         for b in self.prefill_buckets]
         enabled, self.cache.enabled = self.cache.enabled, False  # its long prompts are not worth caching
         try:
             for prompts in runs:
@@ -424,9 +432,13 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             req = self._waiting[0]
-            shared, snap = self.cache.match(req.tokens[: req.prefill_target + 1])
+            # a hit resumes where a cold run of this prompt cuts it: a chunk multiple or its last boundary
+            last = (req.prefill_target - 1) // self.page_size
+            shared, snap = self.cache.match(req.tokens[: req.prefill_target + 1],
+                                            lambda depth: depth % self._snap_pages == 0 or depth == last)
             hit = len(shared) * self.page_size
-            need = -(-(req.prefill_target + 1) // self.page_size) - len(shared)
+            # its prompt and the next token's position, unless the prompt's token is its last
+            need = -(-min(req.prefill_target + 1, req.max_positions) // self.page_size) - len(shared)
             evictable = sum(1 for e in self.cache.entries.values() if e.users == 0)
             if need > self.allocator.num_free + evictable:
                 self.cache.release(shared)
@@ -500,10 +512,21 @@ class Engine:
     def _plan_prefill(self) -> list[tuple[_Request, int]]:
         todo = sorted((r for r in self._slots if r is not None and r.computed < r.prefill_target),
                       key=lambda r: r.arrival)[: self.prefill_rows]
-        batch = [(r, min(self.prefill_chunk, r.prefill_target - r.computed)) for r in todo]
+        batch = [(r, self._chunk_len(r)) for r in todo]
         ends = {r.rid: r.computed + n for r, n in batch}
         kept = self._reserve([r for r, _ in batch], lambda r: ends[r.rid])
         return [(r, n) for r, n in batch if r in kept]
+
+    def _chunk_len(self, req: _Request) -> int:
+        """Tokens of ``req``'s next prefill chunk: ``prefill_chunk``, up to the prompt's end; a chunk
+        of several pages also ends at the prompt's last page boundary, so that a later request with
+        the same prompt hits it there, as with chunks of one page."""
+        return self._first_chunk(req.prefill_target, req.computed)
+
+    def _first_chunk(self, target: int, computed: int = 0) -> int:
+        n = min(self.prefill_chunk, target - computed)
+        last = (target - 1) // self.page_size * self.page_size
+        return last - computed if computed < last < computed + n else n
 
     def _sync_table(self) -> None:
         if self._table_dirty:
@@ -635,19 +658,26 @@ class Engine:
         passed a page boundary, save the slot's rings there when a later request may resume at it
         (in a prompt: every ``snapshot_interval`` pages and the prompt's last boundary; while
         decoding: the latest boundary only). With chunks of several pages, only boundaries where
-        chunks end (multiples of ``prefill_chunk``)."""
+        chunks end: multiples of ``prefill_chunk`` and the prompt's last boundary."""
         if not self.cache.enabled:
             return
         depth = req.computed // self.page_size
         H = depth * self.page_size
-        if H <= before or depth in req.snapshots or depth <= len(req.shared) or depth % self._snap_pages:
+        if H <= before or depth in req.snapshots or depth <= len(req.shared):
             return
         if prefill:
             if H != req.computed:
                 return  # a chunk of several pages ended past H: the rings hold more than H's state
-            last = (req.prefill_target - 1) // self.page_size // self._snap_pages * self._snap_pages
-            if depth % self.snapshot_interval and depth != last:
+            # the prompt's last boundary (a chunk ends there, `_chunk_len`), for the same prompt again;
+            # the last chunk multiple below it, for a longer one (a next turn); every interval
+            last = (req.prefill_target - 1) // self.page_size
+            if depth % self._snap_pages == 0:
+                if depth % self.snapshot_interval and depth != last // self._snap_pages * self._snap_pages:
+                    return
+            elif depth != last:
                 return
+        elif depth % self._snap_pages:
+            return  # a longer prompt's cold run cuts there only if it is a chunk multiple
         else:
             # speculative: h_page holds the streams at the last boundary the device state reached; the
             # MTP ring (W + k + 1 slots) still holds the window below H while the step wrote no further

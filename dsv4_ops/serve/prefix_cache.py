@@ -96,10 +96,11 @@ class PrefixCache:
         self._tick = 0
 
     # ------------------------------------------------------------------ lookup
-    def match(self, tokens: Sequence[int]) -> tuple[list[PageEntry], int | None]:
-        """The longest cached prefix of ``tokens`` that ends at a snapshot and leaves at least one
-        token to compute: ``(entries of its pages, snapshot id)``, or ``([], None)``. Takes a
-        reference on every returned page (``release`` gives it back)."""
+    def match(self, tokens: Sequence[int], resumable=lambda pages: True) -> tuple[list[PageEntry], int | None]:
+        """The longest cached prefix of ``tokens`` that ends at a snapshot, at a page count
+        ``resumable`` accepts, and leaves at least one token to compute: ``(entries of its pages,
+        snapshot id)``, or ``([], None)``. Takes a reference on every returned page (``release``
+        gives it back)."""
         if not self.enabled:
             return [], None
         chain: list[PageEntry] = []
@@ -108,7 +109,7 @@ class PrefixCache:
             if entry is None:
                 break
             chain.append(entry)
-        while chain and chain[-1].snapshot is None:
+        while chain and (chain[-1].snapshot is None or not resumable(len(chain))):
             chain.pop()
         if not chain:
             return [], None

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine_cases import (alone, alone_spec, engine, random_prompts, run_arriving, text_prompts, text_tokens,
-                          tiny_model, trained_model)
+from engine_cases import (MAX_LEN, PAGE, alone, alone_spec, engine, random_prompts, run_arriving, text_prompts,
+                          text_tokens, tiny_model, trained_model)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,16 @@ def test_generate_returns_what_generator_returns(model):
     prompts = random_prompts(rng, 6, (1, 60))
     got = engine(model, max_running=2).generate(prompts, max_new_tokens=6, temperature=0.7, seed=40)
     assert got == [alone(model, p, max_new_tokens=6, temperature=0.7, seed=40 + i) for i, p in enumerate(prompts)]
+
+
+def test_a_prompt_of_max_seq_len_tokens_and_one_new_token_fits_the_smallest_pool(model):
+    """Its prompt's token is its last: admission asks for the prompt's pages only (one more would
+    exceed what add_request allowed, and the request would wait forever)."""
+    eng = engine(model, max_running=1, num_pages=MAX_LEN // PAGE + 1)
+    prompt = [i % 256 for i in range(MAX_LEN)]
+    got = run_arriving(eng, [dict(prompt_ids=prompt, max_new_tokens=1)], random.Random(0), max_steps=50)
+    assert got[0][0] == alone(model, prompt, max_new_tokens=1)
+    assert eng.stats["pages_free"] == MAX_LEN // PAGE - eng.stats["pages_cached"]
 
 
 @pytest.mark.parametrize("spec_steps", [0, 1])

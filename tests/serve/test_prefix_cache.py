@@ -109,9 +109,11 @@ def test_prompts_around_page_boundaries_hit_the_last_boundary_below_them(model, 
 
 
 @pytest.mark.parametrize("n", [2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1, 4 * PAGE + 3, 5 * PAGE])
-def test_chunks_of_two_pages_hit_the_last_chunk_end_below_the_prompt(model, n):
-    """``prefill_chunk`` a multiple of the page: snapshots only where chunks end, so a hit resumes
-    where a cold run cuts the prompt, and gives its tokens (and ``Generator``'s with that chunk)."""
+def test_chunks_of_two_pages_hit_the_same_prompt_at_its_last_boundary_and_a_next_turn_at_a_chunk_end(model, n):
+    """``prefill_chunk`` a multiple of the page: a chunk also ends at the prompt's last page boundary,
+    and snapshots sit only where chunks end, so a hit resumes where a cold run cuts the prompt and
+    gives its tokens (and ``Generator``'s with that chunk): the same prompt again at its last
+    boundary, a longer one (the next turn) at the last chunk multiple it shares."""
     rng = random.Random(n)
     prompt = [rng.randrange(256) for _ in range(n)]
     kw = dict(prefill_chunk=2 * PAGE, max_prefill_tokens=4 * PAGE)
@@ -119,7 +121,7 @@ def test_chunks_of_two_pages_hit_the_last_chunk_end_below_the_prompt(model, n):
     eng = engine(model, **kw)
     first, again = _one_by_one(eng, [prompt, prompt], max_new_tokens=6)
     assert _same([first], cold) and _same([again], cold)
-    assert first.cached == 0 and again.cached == (n - 1) // (2 * PAGE) * (2 * PAGE)
+    assert first.cached == 0 and again.cached == (n - 1) // PAGE * PAGE
     gen = Generator(model, max_batch_size=1, max_seq_len=MAX_LEN, compile=False, prefill_chunk=2 * PAGE)
     assert cold[0].tokens == gen.generate([prompt], max_new_tokens=6)[0]
     # the next turn: it resumes at the prompt's last chunk end below n, or where decoding passed one
