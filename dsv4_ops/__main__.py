@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", required=True, help="package path, ending in .pt2")
     export.add_argument("--max-batch-size", type=int, default=4)
     export.add_argument("--max-seq-len", type=int, default=512)
-    export.add_argument("--prefill-chunk", type=int, default=32)
+    export.add_argument("--prefill-chunk", type=int, default=None,
+                        help="tokens a row per prefill step (default: export()'s, from the batch size)")
     export.add_argument("--device", default="cpu", help="device the package runs on (cpu or cuda)")
     export.add_argument("--dtype", default=None, help="weights dtype for a checkpoint (e.g. bfloat16)")
     export.add_argument("--seed", type=int, default=0, help="random weights of --config tiny")

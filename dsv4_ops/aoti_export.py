@@ -39,6 +39,7 @@ import tempfile
 import torch
 from torch import Tensor, nn
 
+from .generation_loop import DEFAULT_MAX_PREFILL_TOKENS, chunk_buckets, chunks_within
 from .model.attention import AttentionState
 from .model.kv_cache_dtype import check_kv_cache_dtype
 from .ops.validate import check_int
@@ -117,11 +118,12 @@ class _SpecStep(_SpecProgram):
 
 
 def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-           prefill_chunk: int = 64, *, verbose: bool = True, kv_cache_dtype: str = "auto") -> str:
+           prefill_chunk: int | None = None, *, verbose: bool = True, kv_cache_dtype: str = "auto") -> str:
     """Export ``model`` (a ``dsv4_ops.DeepseekV4ForCausalLM``, on the device the package will run
     on) as ONE ``.pt2`` package (see the module docstring) for batches of up to
     ``max_batch_size`` requests of up to ``max_seq_len`` tokens, prefilled in chunks of
-    ``prefill_chunk``; ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per
+    ``prefill_chunk`` (default: the largest of ``Generator``'s chunk buckets whose step of
+    ``max_batch_size`` rows stays in its default token budget: 2048 for 4 rows, 64 for 64); ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per
     step). Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
     ``build/dsv4_run``. Compiling takes tens of seconds to minutes per program on a CPU, about a
     minute on a GPU; ``verbose`` prints one progress line per program. ``kv_cache_dtype``
@@ -133,6 +135,8 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
         raise ValueError(f"export: path must end in .pt2, got {path!r}")
     check_int("export: max_batch_size", max_batch_size, 1)
     check_int("export: max_seq_len", max_seq_len, 1)
+    if prefill_chunk is None:  # one chunk for every prompt: the largest a step of B rows may take
+        prefill_chunk = max(chunks_within(chunk_buckets(max_seq_len), DEFAULT_MAX_PREFILL_TOKENS, max_batch_size))
     check_int("export: prefill_chunk", prefill_chunk, 1)
     check_int("export: spec_steps", spec_steps, 0)
     k = spec_steps

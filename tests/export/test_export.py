@@ -175,6 +175,29 @@ def test_inputs_past_the_exported_limits_are_rejected(tiny_package, eager_tokens
     assert gen.generate(PROMPTS[:1], max_new_tokens=5) == [eager_tokens[0][:5]]  # still usable
 
 
+class _Exported(Exception):
+    pass
+
+
+@pytest.mark.parametrize("batch, max_seq_len, chunk", [(4, 4096, 2048), (8, 4096, 1024), (64, 4096, 64),
+                                                       (2, 100, 100)])
+def test_the_default_prefill_chunk_is_the_largest_chunk_bucket_a_step_of_the_batch_may_take(
+        tmp_path, monkeypatch, batch, max_seq_len, chunk) -> None:
+    """Without ``prefill_chunk``, a package's prefill program takes what ``Generator``'s chunk buckets
+    would give a full batch under its default token budget (8192 a step), capped at ``max_seq_len``."""
+    shapes = []
+
+    def first_program(module, args):
+        shapes.append(tuple(args[0].shape))
+        raise _Exported
+
+    monkeypatch.setattr(dsv4_ops.aoti_export, "exported_program", first_program)
+    model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny()).eval()
+    with pytest.raises(_Exported):
+        dsv4_ops.export(model, tmp_path / "m.pt2", max_batch_size=batch, max_seq_len=max_seq_len, verbose=False)
+    assert shapes == [(batch, chunk)]
+
+
 def test_export_rejects_bad_arguments(tiny_model, tmp_path) -> None:
     with pytest.raises(ValueError, match="path must end in .pt2"):
         dsv4_ops.export(tiny_model, tmp_path / "m.zip")
