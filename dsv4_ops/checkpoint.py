@@ -87,9 +87,6 @@ _MTP_OWN = re.compile(r"^(?P<prefix>mtp\.\d+\.)(?P<rest>(?:enorm|hnorm|e_proj|h_
 _MTP_HEAD = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
 
 
-_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
-
-
 def _target_name(key: str) -> str:
     """A checkpoint tensor name (DeepSeek or HF) -> its HF / dsv4_ops name; per-expert
     ``...experts.N.wK.weight`` keep that suffix (``_EXPERT`` matches them)."""
@@ -457,9 +454,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     ``down_proj`` (+ ``..._scale_inv``).
 
     Quantised weights are dequantised at load, to ``dtype``: each value is exact in fp32
-    (fp64 for fp32 scales), so the cast to ``dtype`` is the only rounding. The model's
-    kernels run bf16 / fp32 weights today; keeping FP8 / FP4 resident (and FP8 / FP4
-    GEMMs) is a later step that needs kernels, not a loader change.
+    (fp64 for fp32 scales), so the cast to ``dtype`` is the only rounding.
 
     Memory: the model is built on the meta device (no random init), then the checkpoint is
     read one shard at a time straight into tensors on ``device``; host memory peaks at about

@@ -160,10 +160,6 @@ class DSV4Config:
     # ----------------------------------------------------------------------------------
     # derived values
     @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.rope_head_dim
-
-    @property
     def compress_rates(self) -> dict[str, int]:
         """HF-style ``{layer_type: rate}`` view of ``csa_ratio`` / ``hca_ratio``."""
         return {CSA: self.csa_ratio, HCA: self.hca_ratio}
@@ -299,10 +295,7 @@ class DSV4Config:
         if self.n_shared_experts != 1:
             raise ValueError(f"DSV4Config.n_shared_experts = {self.n_shared_experts}: HF's DeepseekV4 always builds "
                              "exactly one shared expert of width moe_intermediate_size, so only 1 converts")
-        rope: dict[str, Any] = {"rope_type": "default"}
-        if self.yarn_factor is not None:
-            y = self.yarn()
-            rope = {"rope_type": "yarn", **y}
+        rope = {"rope_type": "default"} if self.yarn_factor is None else {"rope_type": "yarn", **self.yarn()}
         kwargs = dict(
             {name: getattr(self, name) for name in _SAME_IN_HF},
             tie_word_embeddings=self.tie_word_embeddings,

@@ -63,6 +63,10 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _per_request(name: str, value, B: int, check: Callable[[str, object], object]) -> list:
     """``value`` for every prompt, or a list/tuple with one entry per prompt; ``check(label, v)``
     validates one entry (raising a ValueError) and returns its normalised value."""
@@ -75,49 +79,34 @@ def _per_request(name: str, value, B: int, check: Callable[[str, object], object
 
 
 def _max_new(label: str, v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+    if not _is_int(v) or v < 1:
         raise ValueError(f"{label} must be an int >= 1, got {v!r}")
     return v
 
 
-def _temperature(label: str, v) -> float:
-    if v is None:
-        return 0.0
-    if not _is_number(v) or v < 0:
-        raise ValueError(f"{label} must be a finite number >= 0 (0 or None = greedy), got {v!r}")
-    return float(v)
+def _optional(default, ok: Callable[[object], bool], what: str, cast=lambda v: v) -> Callable[[str, object], object]:
+    """The check of a keyword whose None means ``default``: ``cast(v)`` when ``ok(v)``, else a ValueError."""
+    def check(label: str, v):
+        if v is None:
+            return default
+        if not ok(v):
+            raise ValueError(f"{label} must be {what}, got {v!r}")
+        return cast(v)
+    return check
 
 
-def _top_k(label: str, v) -> int:
-    if v is None:
-        return 0
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"{label} must be an int >= 0 (0 or None = no top-k cut), got {v!r}")
-    return v
-
-
-def _top_p(label: str, v) -> float:
-    if v is None:
-        return 1.0
-    if not _is_number(v) or not 0 < v <= 1:
-        raise ValueError(f"{label} must be a number in (0, 1] (1 or None = no top-p cut), got {v!r}")
-    return float(v)
-
-
-def _seed(label: str, v) -> int | None:
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _SEED_LIMIT:
-        raise ValueError(f"{label} must be an int in [0, 2**63) or None (random), got {v!r}")
-    return v
+_temperature = _optional(0.0, lambda v: _is_number(v) and v >= 0, "a finite number >= 0 (0 or None = greedy)", float)
+_top_k = _optional(0, lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 or None = no top-k cut)")
+_top_p = _optional(1.0, lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (1 or None = no top-p cut)", float)
+_seed = _optional(None, lambda v: _is_int(v) and 0 <= v < _SEED_LIMIT, "an int in [0, 2**63) or None (random)")
 
 
 def _stop_ids(label: str, v, vocab_size: int) -> list[int]:
-    ids = [] if v is None else [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    ids = [] if v is None else [v] if _is_int(v) else v
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"{label} must be an int token id, a list of them, or None, got {type(v).__name__}")
     for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool):
+        if not _is_int(t):
             raise ValueError(f"{label} must hold int token ids, got {t!r}")
         if not 0 <= t < vocab_size:
             raise ValueError(f"{label}: token id {t} is outside [0, vocab_size={vocab_size})")

@@ -105,7 +105,7 @@ def chunked(ids: Tensor, chunks: Sequence[int], device: torch.device) -> list[Te
 
 
 # ---- chunk buckets: the prefill chunk sizes a Generator with prefill_chunk=None compiles
-SMALLEST_CHUNK = 64  # the old fixed default: a short prompt is one step, as before
+SMALLEST_CHUNK = 64  # a short prompt is one step
 LARGEST_CHUNK = 2048  # the largest chunk measured (#47: a 4K prompt in 46 ms at 2048, 102 ms at 512)
 CHUNK_RATIO = 4  # 4 sizes (graphs per batch bucket) from 64 to 2048; only a batch's last step pads, to < 4x its rest
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # = 4 x 2048: batch buckets 1..4 take 2048-token chunks
@@ -249,7 +249,7 @@ class GenerationLoop:
             self._stats["decode_steps"] -= 1
             i = int(((next_ids < 0) | (next_ids >= V)).nonzero()[0, 0])
             raise ValueError(f"decode: next_ids[{i}] = {int(next_ids[i])} is outside [0, vocab_size={V})")
-        self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), B)
+        self._count_decode(t0, compile_before, B)
         return out
 
     def _decode(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
@@ -259,8 +259,9 @@ class GenerationLoop:
         self._stats["decode_steps"] += 1
         return out
 
-    def _count_decode(self, seconds: float, tokens: int) -> None:
-        self._stats["decode_time_s"] += seconds
+    def _count_decode(self, t0: float, compile_before: float, tokens: int) -> None:
+        # throughput excludes the time spent compiling since t0
+        self._stats["decode_time_s"] += time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before)
         self._stats["decode_tokens"] += tokens
         self._stats["tokens_generated"] += tokens
 
@@ -280,16 +281,16 @@ class GenerationLoop:
 
         Syncs: greedy and sampled decoding read the tokens back once at the end; with stop ids the
         loop also reads a device-side "all rows done" flag every ``DONE_POLL_STEPS`` steps (and
-        stops early when it is set). Speculative decoding reads each step's tokens (as before)."""
+        stops early when it is set). Speculative decoding reads each step's tokens."""
         rows, args = self._check_generate(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                                           "generate")
         first, params, pos0 = self._begin(rows, args)
         t0, compile_before = time.perf_counter(), self._stats["compile_time_s"]
         if self.speculative:
-            out = self._generate_spec(first, args, params)
+            *_, out = self._spec_rounds(first, args, params)  # the last round's: every row's tokens
         else:
             out = self._generate_plain(first, args, params, pos0)
-        self._count_loop(t0, compile_before, sum(len(o) - 1 for o in out))
+        self._count_decode(t0, compile_before, sum(len(o) - 1 for o in out))
         return out
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int = 32, *, temperature=None, top_k=None, top_p=None,
@@ -327,7 +328,7 @@ class GenerationLoop:
                 if token in stops:
                     return
         finally:
-            self._count_loop(t0, compile_before, max(n - 1, 0))
+            self._count_decode(t0, compile_before, max(n - 1, 0))
 
     def _check_generate(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                         where: str) -> tuple[list[Tensor], GenerateArgs]:
@@ -352,16 +353,12 @@ class GenerationLoop:
         pos0 = pos0.to(self.device)
         return self._pick(logits, params, pos0, args.filtered), params, pos0
 
-    def _count_loop(self, t0: float, compile_before: float, emitted: int) -> None:
-        # throughput excludes time spent compiling inside the loop
-        self._count_decode(time.perf_counter() - t0 - (self._stats["compile_time_s"] - compile_before), emitted)
-
     def _check_generate_args(self, args: GenerateArgs) -> None:
         """A subclass hook: reject settings it cannot run."""
 
     def _pick(self, logits: Tensor, params: SamplingParams | None, pos: Tensor, filtered: bool) -> Tensor:
-        """Each row's next token from ``[B, vocab]`` logits: the argmax when every row is greedy (as
-        before sampling existed), otherwise ``sampling.sample`` over the whole bucket (static shapes)."""
+        """Each row's next token from ``[B, vocab]`` logits: the argmax when every row is greedy,
+        otherwise ``sampling.sample`` over the whole bucket (static shapes)."""
         if params is None:
             return logits.argmax(-1)
         B, bucket = logits.shape[0], pos.shape[0]
@@ -401,17 +398,11 @@ class GenerationLoop:
             self._host_lengths = [p + len(o) - 1 for p, o in zip(prompt_lens, out)]
         return out
 
-    def _generate_spec(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None) -> list[list[int]]:
-        """Speculative steps until every row has its tokens; finished rows sit out (their
-        ``active`` flag is 0, so they write nothing and do not advance)."""
-        for out in self._spec_rounds(first, args, params):
-            pass
-        return out
-
     def _spec_rounds(self, first: Tensor, args: GenerateArgs, params: SamplingParams | None
                      ) -> Iterator[list[list[int]]]:
-        """``_generate_spec``'s loop, yielding every row's tokens so far: after the first token,
-        then after each speculative step."""
+        """Speculative steps until every row has its tokens, yielding every row's tokens so far: after
+        the first token, then after each step. Finished rows sit out (their ``active`` flag is 0, so
+        they write nothing and do not advance)."""
         B, k = first.shape[0], self.spec_steps
         if params is not None:
             self._start_drafts(first, sampling=True)  # prefill started them from the argmax

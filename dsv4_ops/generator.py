@@ -47,7 +47,7 @@ class Generator(GenerationLoop):
             holds the longest remaining part of any row, capped by ``max_prefill_tokens`` (a
             4096-token prompt runs as 2048 + 2048, 3000 as 2048 + 1024, 100 as one 256-token
             step). An int: that one chunk for every step (long prompts run in several steps; one
-            graph per batch bucket), as before chunk buckets existed.
+            graph per batch bucket).
         max_prefill_tokens: the most tokens (``batch bucket x chunk``, padding included) a prefill
             step of chunk buckets runs: a step of ``b`` rows takes only chunk buckets with
             ``b * chunk <= max_prefill_tokens`` (when even 64 is too large, the one chunk

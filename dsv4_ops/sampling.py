@@ -71,9 +71,8 @@ def uniform_from_bits(h: Tensor) -> Tensor:
     """32-bit hashes (int64 in ``[0, 2**32)``) -> float32 uniforms in the open interval (0, 1).
 
     The top 23 bits pick one of 2**23 equal cells and the value is its centre, ``(i + 0.5) / 2**23``:
-    exact in float32 (24 significant bits), so never 0 or 1. NOTE: 24 bits were used before; their
-    centres above 2**23 need 25 bits, and the last one rounded to exactly 1.0, a +inf Gumbel
-    noise that drew a token outside the top-k (found by the trained model's sampling test)."""
+    exact in float32 (24 significant bits), so never 0 or 1. With 24 bits the last centre would round
+    to 1.0: a +inf Gumbel noise, which draws a token outside the top-k."""
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 

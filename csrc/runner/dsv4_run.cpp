@@ -514,7 +514,8 @@ int run_main(const Options& o) {
   int64_t max_len = 0;
   for (auto& p : o.prompts) max_len = std::max<int64_t>(max_len, (int64_t)p.size());
   const int64_t n_chunks = (max_len + C - 1) / C;
-  std::vector<int64_t> first(P, 0);
+  at::Tensor first = at::zeros({B}, at::kLong);  // each row's first new token (0 for padding rows)
+  auto first_a = first.accessor<int64_t, 1>();
   auto t_prefill = Clock::now();
   for (int64_t j = 0; j < n_chunks; ++j) {
     at::Tensor ids = at::zeros({B, C}, at::kLong);
@@ -531,7 +532,7 @@ int run_main(const Options& o) {
     at::Tensor best = argmax_rows(logits).cpu();
     auto best_a = best.accessor<int64_t, 1>();
     for (int64_t b = 0; b < P; ++b)
-      if (n_a[b] > 0) first[b] = best_a[b];
+      if (n_a[b] > 0) first_a[b] = best_a[b];
   }
   sync();
   double prefill_ms = ms_since(t_prefill);
@@ -542,21 +543,11 @@ int run_main(const Options& o) {
   const int64_t steps = o.max_new_tokens - 1;
   // tokens[s] = the new ids of step s (s = 0: from prefill), for all B rows.
   at::Tensor tokens = at::zeros({o.max_new_tokens, B}, at::TensorOptions().dtype(at::kLong).device(device));
-  {
-    at::Tensor f = at::zeros({B}, at::kLong);
-    auto f_a = f.accessor<int64_t, 1>();
-    for (int64_t b = 0; b < P; ++b) f_a[b] = first[b];
-    tokens[0].copy_(f);
-  }
+  tokens[0].copy_(first);
   // Static decode inputs, reused every step (a CUDA graph replays on these addresses).
   at::Tensor ids = tokens[0].clone();
-  at::Tensor n_new;
-  {
-    at::Tensor n = at::zeros({B}, at::kInt);
-    auto n_a = n.accessor<int32_t, 1>();
-    for (int64_t b = 0; b < P; ++b) n_a[b] = 1;
-    n_new = n.to(device);
-  }
+  at::Tensor n_new = at::zeros({B}, at::TensorOptions().dtype(at::kInt).device(device));
+  n_new.slice(/*dim=*/0, 0, P).fill_(1);  // one new token for each prompt's row, none for padding
   const std::vector<at::Tensor> dec_inputs = with_caches({ids, n_new, lengths});
 
   auto t_decode = Clock::now();
@@ -634,11 +625,6 @@ int main(int argc, char** argv) {
       std::fputs(kHelp, stdout);
       return 0;
     }
-  } catch (const RunError& e) {
-    std::cerr << "dsv4_run: error: " << e.what() << "\n";
-    return e.code;
-  }
-  try {
     return run_main(o);
   } catch (const RunError& e) {
     std::cerr << "dsv4_run: error: " << e.what() << "\n";

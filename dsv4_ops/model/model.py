@@ -138,18 +138,14 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def set_max_positions(self, n: int) -> None:
         """Rebuild the shared RoPE tables for ``n`` positions (no-op if already that long)."""
-        if n == self.max_positions:
-            return
-        self._set_rope(n, self.device)
+        if n != self.max_positions:
+            set_rope(self._attention_layers(), self.config, n, self.device)
 
     def materialize_buffers(self, device=None) -> None:
         """Compute the buffers derived from the config (the RoPE tables, non-persistent, in no
         checkpoint) on ``device`` (default: the model's). For a model built on the meta device
         whose weights were then loaded with ``load_state_dict(..., assign=True)``."""
-        self._set_rope(self.max_positions, device or self.device)
-
-    def _set_rope(self, n: int, device) -> None:
-        set_rope(self._attention_layers(), self.config, n, device)
+        set_rope(self._attention_layers(), self.config, self.max_positions, device or self.device)
 
     # ------------------------------------------------------------------ caches
     def setup_caches(self, max_batch_size: int, max_seq_len: int, lookahead: int = 0, mtp: bool = False,

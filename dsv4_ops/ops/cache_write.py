@@ -29,21 +29,18 @@ def _cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Opti
     torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
     if is_fp8:
         lay = fp8.KVLayout.of(cache, values.shape[2])
-        if use_triton(cache):
-            spec = cw.fp8_cache_write_launch(cache, values, slots, lay.rope, lay.data_bytes, lay.scale_bytes,
-                                             block_table)
-            if spec is not None:
-                wrap_triton(fp8_cache_write_kernel)[spec.grid](*spec.args, **spec.meta)
-        else:
-            ref.cache_write(cache, values, slots, block_table)
-        return
-    torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
-    if use_triton(cache):
+    else:
+        torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
+    if not use_triton(cache):
+        ref.cache_write(cache, values, slots, block_table)
+    elif is_fp8:
+        spec = cw.fp8_cache_write_launch(cache, values, slots, lay.rope, lay.data_bytes, lay.scale_bytes, block_table)
+        if spec is not None:
+            wrap_triton(fp8_cache_write_kernel)[spec.grid](*spec.args, **spec.meta)
+    else:
         spec = cw.cache_write_launch(cache, values, slots, block_table)
         if spec is not None:
             wrap_triton(cache_write_kernel)[spec.grid](*spec.args, **spec.meta)
-    else:
-        ref.cache_write(cache, values, slots, block_table)
 
 
 def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tensor | None = None) -> None:

@@ -11,13 +11,8 @@ scores fit ``SCORES_BUDGET_BYTES``; :func:`serves`). Everything else -- ROCm, no
 longer rows -- keeps the Triton top-k, which has the same contract (descending score, ties to the
 lower index, -1 past the picks); :func:`unavailable_reason` says why the route is off.
 
-How the kernel works: one CUDA block a row. The row's scores go to registers (rows past 16 scores
-a thread: through shared memory, by bulk copies, and then only the candidates at or above a floor
-the k-th best cannot be under, to a shared list); an 8-bit radix select finds the k-th best key,
-each pass a 256-bin histogram a warp in shared memory, so that the warps' atomics never contend;
-the picks are compacted by a block scan and ordered by buckets of their keys, or by a bitonic sort
-in registers and shuffles where a bucket is crowded. Triton cannot express this select:
-``tl.histogram`` has no shared-memory atomics.
+How the kernel works, and why it is CUDA (``tl.histogram`` has no shared-memory atomics): the
+header of ``csrc/kernels/topk_rows.cu``.
 
 Because the op is C++, Inductor calls it as an extern kernel in compiled graphs (CUDA graphs
 replay its launch) and AOTInductor packages call it through their proxy executor: a process

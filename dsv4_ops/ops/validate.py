@@ -177,14 +177,10 @@ def in_range(op: str, name: str, t: Tensor, lo: int, hi: int, limit: str) -> Non
     """Every value of ``t`` in ``[lo, hi]``; ``limit`` names the bound, e.g. "cache rows N=16"."""
     if t.numel() == 0:
         return
-    too_big = t > hi
-    if bool(too_big.any()):
-        at = _first(too_big)
-        fail(op, f"{name}[{', '.join(map(str, at))}] = {int(t[at])} is beyond {limit}")
-    too_small = t < lo
-    if bool(too_small.any()):
-        at = _first(too_small)
-        fail(op, f"{name}[{', '.join(map(str, at))}] = {int(t[at])} is below the minimum {lo}")
+    for bad, what in ((t > hi, f"beyond {limit}"), (t < lo, f"below the minimum {lo}")):
+        if bool(bad.any()):
+            at = _first(bad)
+            fail(op, f"{name}[{', '.join(map(str, at))}] = {int(t[at])} is {what}")
 
 
 def index_range(op: str, name: str, idx: Tensor, n: int, what: str) -> None:

@@ -109,49 +109,13 @@ def _window_write_slots(pos: Tensor, valid: Tensor, end: Tensor, ring: int) -> T
     return torch.where(keep, pos % ring, torch.full_like(pos, -1))
 
 
-def plan(
-    lengths: Tensor,
-    n_new: Tensor,
-    num_tokens: int,
-    steps: int,
-    window: int,
-    win_ring: int,
-    win_concat: bool,
-    csa_ratio: int,
-    csa_ring: int,
-    hca_ratio: int,
-    hca_ring: int,
-) -> tuple[Tensor, ...]:
+def plan(lengths: Tensor, n_new: Tensor, num_tokens: int, steps: int, window: int, win_ring: int, win_concat: bool,
+         csa_ratio: int, csa_ring: int, hca_ratio: int, hca_ring: int) -> tuple[Tensor, ...]:
     """Turn per-row lengths into every tensor the layers need, for ``steps`` sub-steps.
 
-    Args:
-        lengths: ``[B] int32`` tokens already in the cache per row (= first new position).
-        n_new: ``[B] int32`` new tokens per row this step, ``0 <= n_new <= num_tokens``
-            (0 = padding row).
-        num_tokens: static ``S``, the padded query width.
-        steps: number of consecutive sub-steps planned. Sub-step ``i`` handles new
-            positions ``[lengths + i*n_new, lengths + (i+1)*n_new)``. Plain prefill /
-            decode / verify use ``steps=1``; the MTP draft loop uses ``steps=k`` with
-            ``n_new=1`` so draft step ``i`` sees the window of draft tokens ``0..i-1``.
-        window: sliding-window size W (entries per query, the query itself included).
-        win_ring: window ring slots R.
-        win_concat: how ``win_idx`` addresses the window. False ("ring" mode): indices
-            are ring slots, the layer writes the new kv into the ring first and attends
-            over the ring (needs ``R >= W + S - 1``). True ("concat" mode, long prefill
-            chunks): the layer attends over ``cat(ring_before_write, new_kv)`` of
-            ``R + S`` rows; positions before ``lengths`` map to ring slots and new
-            positions to ``R + (p - start)``.
-        csa_ratio / hca_ratio: compression rates m (e.g. 4 and 128).
-        csa_ring / hca_ring: compressor-input ring slots for those rates.
-
-    Returns a tuple, every tensor ``int32`` with a leading ``[steps]`` dim:
-        positions  ``[steps, B, S]``   absolute position of each query, -1 for padding
-        win_write  ``[steps, B, S]``   window-ring slot each new kv is written to, -1 = skip
-        win_idx    ``[steps, B, S, W]`` window entries each query attends, -1 = none
-        csa_len    ``[steps, B, S]``   visible compressed entries ``(t+1)//m`` (0 for padding)
-        csa_emit   ``[steps, B, ceil(S/m)]`` blocks completed by the new tokens, -1 pad
-        csa_write  ``[steps, B, S]``   compressor-ring slot of each new token, -1 = skip
-        hca_len, hca_emit, hca_write   the same for the HCA rate
+    The arguments are :func:`dsv4_ops.ops.plan`'s; returns the fields of ``dsv4_ops.ops.Plan`` as a
+    tuple, every tensor ``int32`` with a leading ``[steps]`` dim. With ``steps=k`` and ``n_new=1``
+    (the MTP draft loop), draft step ``i`` sees the window of draft tokens ``0..i-1``.
 
     Raw-op contract: negative ``lengths`` / ``n_new`` count as 0.
     """
@@ -241,13 +205,18 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tenso
 
     Raw-op contract: slots outside ``[0, N)`` are skipped like -1.
     """
+    _scatter_rows(cache, values, slots, block_table, keys=False)
+
+
+def _scatter_rows(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tensor | None, keys: bool) -> None:
+    """:func:`cache_write`; an FP8 ``cache`` takes the indexer-key format when ``keys``, else the KV format."""
     if block_table is not None:
         phys = physical_entries(slots, block_table, cache)
         if fp8.is_fp8_cache(cache, paged=True):  # the pages as one row of the FP8 layout (a view)
-            return _cache_write_fp8(cache[None], values.flatten(0, 1)[None], phys.flatten()[None])
+            return _write_entries_fp8(cache[None], values.flatten(0, 1)[None], phys.flatten()[None], keys)
         return _write_pages(cache, values, phys)
     if fp8.is_fp8_cache(cache):
-        return _cache_write_fp8(cache, values, slots)
+        return _write_entries_fp8(cache, values, slots, keys)
     B, S = slots.shape
     N = cache.shape[1]
     keep = (slots >= 0) & (slots < N)
@@ -258,20 +227,11 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tenso
     cache.copy_(padded[:, :N])
 
 
-def _cache_write_fp8(cache: Tensor, values: Tensor, slots: Tensor) -> None:
-    """``cache_write`` into an FP8 KV cache: quantise each row, then scatter whole entries."""
-    lay = fp8.KVLayout.of(cache, values.shape[-1])
-    data, scales = fp8.quantize_kv(values, lay.rope)
-    rows = fp8.to_entries(cache, lay.data_bytes)
-    cache_write(rows, torch.cat([data, scales], -1), slots)
-    cache.copy_(fp8.from_entries(rows, lay.page, lay.data_bytes))
-
-
-def _write_entries_fp8(pool: Tensor, entry: Tensor, slots: Tensor) -> None:
-    """Quantise ``entry [B, E, d]`` into an FP8 pool at ``slots [B, E]`` (-1 = skip). The KV format,
-    or the indexer-key format (``entry_bytes == d + 4``: rotate, then one fp32 scale per key)."""
+def _write_entries_fp8(pool: Tensor, entry: Tensor, slots: Tensor, keys: bool | None = None) -> None:
+    """Quantise ``entry [B, E, d]`` into an FP8 pool at ``slots [B, E]`` (-1 = skip). The KV format, or
+    the indexer-key format (``keys``; None: ``entry_bytes == d + 4``): rotate, then one fp32 scale per key."""
     d = entry.shape[-1]
-    if pool.shape[-1] == d + 4:
+    if (pool.shape[-1] == d + 4) if keys is None else keys:
         lay = fp8.IndexerLayout.of(pool)
         data, scales = fp8.quantize_keys(fp8.rotate(entry))
     else:
@@ -285,41 +245,13 @@ def _write_entries_fp8(pool: Tensor, entry: Tensor, slots: Tensor) -> None:
 # --------------------------------------------------------------------------------------
 # compressor: pooled entries of every block the new tokens close
 # --------------------------------------------------------------------------------------
-def compress(
-    ring_kv: Tensor,
-    ring_gate: Tensor,
-    new_kv: Tensor,
-    new_gate: Tensor,
-    start: Tensor,
-    emit: Tensor,
-    norm_weight: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    pool: Tensor,
-    ratio: int,
-    overlap: bool,
-    eps: float,
-    block_table: Tensor | None = None,
-) -> None:
+def compress(ring_kv: Tensor, ring_gate: Tensor, new_kv: Tensor, new_gate: Tensor, start: Tensor, emit: Tensor,
+             norm_weight: Tensor, cos: Tensor, sin: Tensor, pool: Tensor, ratio: int, overlap: bool, eps: float,
+             block_table: Tensor | None = None) -> None:
     """Emit the compressed entry of every block listed in ``emit`` into ``pool``; in place.
 
-    Args:
-        ring_kv, ring_gate: ``[B, R, c*d]`` compressor inputs of earlier tokens, token
-            ``p`` at slot ``p % R`` (``c = 2`` if ``overlap`` else 1). The gate rows
-            already include the position bias ``ape[p % m]``.
-        new_kv, new_gate: ``[B, S, c*d]`` the same rows for this step's new tokens;
-            token ``p >= start`` is read from here (row ``p - start``), never from the ring.
-        start: ``[B] int32`` position of the first new token.
-        emit: ``[B, E] int32`` block ids to emit (``plan``'s ``*_emit``), -1 = none.
-        norm_weight: ``[d]`` RMSNorm weight applied to the pooled entry.
-        cos, sin: ``[P, r/2]`` rope tables; entry ``i`` is rotated at position ``m*i``.
-        pool: ``[B, N, d]`` compressed pool, entry ``i`` written at index ``i``; or, with
-            ``block_table [B, P]``, a paged pool ``[num_pages, page, d]`` (``N = P * page``).
-        ratio: m.  overlap: CSA layout (entry i pools the first halves of block i-1's
-            tokens and the second halves of block i's; block -1 contributes weight 0).
-        eps: RMSNorm epsilon.
-
-    Per channel, the entry is ``sum_slots softmax_slots(gate) * kv`` in fp32.
+    The arguments are :func:`dsv4_ops.ops.compress`'s: per channel, the entry of block ``i`` is
+    ``sum_slots softmax_slots(gate) * kv`` in fp32, then RMSNorm, then RoPE at position ``m*i``.
 
     Raw-op contract: ``emit`` entries outside ``[0, N)`` are skipped like -1; an entry whose
     rope row is past the table (``m*i >= P``) is left unrotated. (A block that is not
@@ -379,17 +311,7 @@ def compress(
         s = torch.zeros_like(c)
     entry = apply_rope(entry, c, s)
 
-    if block_table is not None:
-        phys = physical_entries(torch.where(emitted, blk, -1), block_table, pool)
-        if fp8.is_fp8_cache(pool, paged=True):  # the pages as one row of the FP8 layout (a view)
-            return _write_entries_fp8(pool[None], entry.flatten(0, 1)[None], phys.flatten()[None])
-        return _write_pages(pool, entry, phys)
-    if fp8.is_fp8_cache(pool):
-        return _write_entries_fp8(pool, entry, torch.where(emitted, blk, -1))
-    tgt = torch.where(emitted, blk, torch.full_like(blk, N))
-    padded = torch.cat([pool, pool.new_zeros(B, 1, d)], dim=1)
-    padded.scatter_(1, tgt[..., None].expand(B, E, d), entry.to(pool.dtype))
-    pool.copy_(padded[:, :N])
+    _scatter_rows(pool, entry, torch.where(emitted, blk, -1), block_table, keys=pool.shape[-1] == d + 4)
 
 
 # --------------------------------------------------------------------------------------
@@ -408,19 +330,10 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
                  block_table: Tensor | None = None) -> Tensor:
     """Top-``topk`` visible compressed entries per query, fixed width, -1 sentinels.
 
-    Args:
-        q: ``[B, S, HI, DI]`` indexer queries (roped).
-        weights: ``[B, S, HI]`` per-head weights with every scale folded in.
-        keys: ``[B, N, DI]`` indexer-key pool (entry i at index i); or, with ``block_table
-            [B, P]``, paged keys ``[num_pages, page, DI]`` (``N = P * page``).
-        visible: ``[B, S] int32`` entries ``i < visible`` may be picked (causality:
-            ``(t+1)//m``; 0 for padding queries).
-        topk: output width k.
-
-    Returns ``[B, S, topk] int32``: the ``min(topk, visible)`` best entries, ordered by
-    descending score; **ties go to the lower entry index** (a stable sort), so the
-    choice among equal scores (e.g. many exact zeros from the ReLUs) is deterministic.
-    Remaining slots are -1.
+    The arguments are :func:`dsv4_ops.ops.indexer_topk`'s. Returns ``[B, S, topk] int32``: the
+    ``min(topk, visible)`` best entries, ordered by descending score; **ties go to the lower entry
+    index** (a stable sort), so the choice among equal scores (e.g. many exact zeros from the
+    ReLUs) is deterministic. Remaining slots are -1.
 
     Raw-op contract: ``visible`` is clamped to ``[0, N]``.
     """
@@ -446,35 +359,13 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
 # --------------------------------------------------------------------------------------
 # sparse attention over window ∪ compressed entries, one softmax with the sink
 # --------------------------------------------------------------------------------------
-def sparse_attention(
-    q: Tensor,
-    kv: Tensor,
-    kv_idx: Tensor,
-    cmp: Tensor,
-    cmp_idx: Tensor,
-    cmp_len: Tensor,
-    sink: Tensor,
-    scale: float,
-    block_table: Tensor | None = None,
-) -> Tensor:
+def sparse_attention(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor,
+                     scale: float, block_table: Tensor | None = None) -> Tensor:
     """MQA with one shared K = V vector per entry, over a per-query entry set, plus sink.
 
-    Args:
-        q: ``[B, S, H, D]`` queries.
-        kv: ``[B, N, D]`` window source (the ring, or ``cat(ring, new kv)`` in concat mode).
-        kv_idx: ``[B, S, W] int32`` rows of ``kv`` each query attends, -1 = skip.
-        cmp: ``[B, Nc, D]`` compressed pool; or, with ``block_table [B, P]``, a paged pool
-            ``[num_pages, page, D]`` (``Nc = P * page``). The window source is always per row.
-        cmp_idx: ``[B, S, K] int32`` compressed entries picked by the indexer (CSA),
-            -1 = skip; ``K`` may be 0.
-        cmp_len: ``[B, S] int32`` additionally attend the dense prefix ``cmp[b, :cmp_len]``
-            (HCA; 0 for CSA / sliding layers).
-        sink: ``[H] fp32`` per-head sink logit (an extra logit with a zero value).
-        scale: softmax scale.
-
-    Returns ``[B, S, H, D]`` in ``q.dtype``:
-    ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink_h))`` with ``l_j = scale q.e_j``
-    in ONE softmax over all entries (fp32). A query with no entries gets zeros.
+    The arguments are :func:`dsv4_ops.ops.sparse_attention`'s. Returns ``[B, S, H, D]`` in
+    ``q.dtype``: ``o = sum_j exp(l_j) e_j / (sum_j exp(l_j) + exp(sink_h))`` with
+    ``l_j = scale q.e_j`` in ONE softmax over all entries (fp32). A query with no entries gets zeros.
 
     Raw-op contract: indices outside ``[0, N)`` / ``[0, Nc)`` are skipped like -1;
     ``cmp_len`` is clamped to ``[0, Nc]``.

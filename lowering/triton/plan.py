@@ -98,20 +98,9 @@ def plan_config(num_tokens: int, window: int) -> dict:
     return dict(BLOCK_S=block_s, BLOCK_W=block_w, num_warps=4)
 
 
-def plan_launch(
-    lengths: torch.Tensor,
-    n_new: torch.Tensor,
-    num_tokens: int,
-    steps: int,
-    window: int,
-    win_ring: int,
-    win_concat: bool,
-    csa_ratio: int,
-    csa_ring: int,
-    hca_ratio: int,
-    hca_ring: int,
-    out: tuple[torch.Tensor, ...] | None = None,
-) -> tuple[tuple[torch.Tensor, ...], Launch | None]:
+def plan_launch(lengths: torch.Tensor, n_new: torch.Tensor, num_tokens: int, steps: int, window: int, win_ring: int,
+                win_concat: bool, csa_ratio: int, csa_ring: int, hca_ratio: int, hca_ring: int,
+                out: tuple[torch.Tensor, ...] | None = None) -> tuple[tuple[torch.Tensor, ...], Launch | None]:
     """The nine ``int32`` plan tensors and the ``plan_kernel`` launch that fills them (``None``:
     they are empty). ``out`` (optional) is the tuple of nine contiguous ``int32`` outputs, in
     ``Plan`` order."""
