@@ -10,9 +10,9 @@ through the public calls (issue #44's GPU numbers):
 * **throughput at ``--concurrency`` requests of mixed lengths** (prompts and ``max_new_tokens``
   drawn uniformly): the engine with every request queued at once vs the ``Generator`` running the
   same requests in static batches of ``--concurrency`` (each batch waits for its longest member);
-* **capacity**: the longest context per request for ``--concurrency`` requests that the paged pool
-  can hold in the memory today's per-row pool takes for ``--max-seq-len``, and what the per-row pool
-  would need;
+* **capacity**: the positions the paged pool holds in the memory today's per-row pool takes for
+  ``--concurrency`` x ``--max-seq-len``, and the longest request beside ``--concurrency`` - 1 requests
+  of an eighth of ``--max-seq-len`` (the per-row pool: ``--max-seq-len``);
 * CUDA-graph replays, recompiles and graph breaks after warm-up (the engine's ``stats``).
 
     python3 benchmarks/bench_engine.py --config flash-slice --out out/bench_engine.json   # GPU (gpu_check.sh serve runs it)
@@ -189,11 +189,17 @@ def _capacity(model, args, eng_kw) -> dict:
     rings = Engine(model, max_running=N, num_pages=2, **dict(eng_kw, compile=False)).pool.nbytes()["rings"]
     ring = rings * N // (N + 1)  # without the dummy slot
     pages = (per_row - ring) // page
+    # a mixed load: N - 1 requests of an eighth of max_seq_len leave the rest of the pages to one long request
+    short = max(1, args.max_seq_len // 8)
+    longest = (pages - (N - 1) * -(-short // args.page_size)) * args.page_size
     print(f"capacity: the per-row pool of {N} x {args.max_seq_len} ({per_row / 2**30:.2f} GiB) holds "
           f"{pages * args.page_size} paged positions: {pages * args.page_size // N} per request on average, "
-          "any mix of lengths")
+          f"any mix of lengths; beside {N - 1} requests of {short} tokens, one of {longest} (per-row pool: "
+          f"{args.max_seq_len})")
     return dict(per_row_pool_bytes=per_row, page_bytes=page, ring_bytes=ring, pages=int(pages),
-                tokens_total=int(pages * args.page_size), mean_tokens_per_request=int(pages * args.page_size // N))
+                tokens_total=int(pages * args.page_size), mean_tokens_per_request=int(pages * args.page_size // N),
+                mixed=dict(short_requests=N - 1, short_tokens=short, longest_tokens=int(longest),
+                           per_row_longest_tokens=args.max_seq_len))
 
 
 if __name__ == "__main__":

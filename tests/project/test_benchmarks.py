@@ -554,3 +554,5 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     assert t["requests"] == 8 and t["timed_finished"] == 8 and t["stats"]["recompiles"] == 0
     assert t["timed_compile_s"] == dict(engine=0.0, generator=0.0)
     assert data["capacity"]["pages"] > 0
+    mixed = data["capacity"]["mixed"]
+    assert mixed["longest_tokens"] > mixed["per_row_longest_tokens"] > mixed["short_tokens"]
