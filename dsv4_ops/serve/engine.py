@@ -414,7 +414,7 @@ class Engine:
         short = min(2, self.max_seq_len)
         runs = [[[(2 * i + j) % self.vocab_size for j in range(short)] for i in range(b)] for b in self.decode_buckets]
         for narrower in self.prefill_widths[:-1]:  # the shortest prompts whose first chunk is wider
-            n = next((n for n in range(narrower + 1, self.max_seq_len + 1) if self._first_chunk(n) > narrower), None)
+            n = next((n for n in range(narrower + 1, self.max_seq_len + 1) if self._chunk_len(n) > narrower), None)
             if n is not None and -(-n // self.page_size) < self.allocator.num_pages:  # else no prompt gets there
                 runs += [[[(i + j) % self.vocab_size for j in range(n)] for i in range(b)]
                          for b in self.prefill_buckets]
@@ -432,10 +432,8 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             req = self._waiting[0]
-            # a hit resumes where a cold run of this prompt cuts it: a chunk multiple or its last boundary
-            last = (req.prefill_target - 1) // self.page_size
             shared, snap = self.cache.match(req.tokens[: req.prefill_target + 1],
-                                            lambda depth: depth % self._snap_pages == 0 or depth == last)
+                                            lambda depth: self._cuts_at(req, depth))
             hit = len(shared) * self.page_size
             # its prompt and the next token's position, unless the prompt's token is its last
             need = -(-min(req.prefill_target + 1, req.max_positions) // self.page_size) - len(shared)
@@ -512,21 +510,24 @@ class Engine:
     def _plan_prefill(self) -> list[tuple[_Request, int]]:
         todo = sorted((r for r in self._slots if r is not None and r.computed < r.prefill_target),
                       key=lambda r: r.arrival)[: self.prefill_rows]
-        batch = [(r, self._chunk_len(r)) for r in todo]
+        batch = [(r, self._chunk_len(r.prefill_target, r.computed)) for r in todo]
         ends = {r.rid: r.computed + n for r, n in batch}
         kept = self._reserve([r for r, _ in batch], lambda r: ends[r.rid])
         return [(r, n) for r, n in batch if r in kept]
 
-    def _chunk_len(self, req: _Request) -> int:
-        """Tokens of ``req``'s next prefill chunk: ``prefill_chunk``, up to the prompt's end; a chunk
-        of several pages also ends at the prompt's last page boundary, so that a later request with
-        the same prompt hits it there, as with chunks of one page."""
-        return self._first_chunk(req.prefill_target, req.computed)
-
-    def _first_chunk(self, target: int, computed: int = 0) -> int:
+    def _chunk_len(self, target: int, computed: int = 0) -> int:
+        """Tokens of the next prefill chunk of a request at ``computed`` of ``target`` positions:
+        ``prefill_chunk``, up to the end; a chunk of several pages also ends at the prompt's last
+        page boundary, so that a later request with the same prompt hits it there, as with chunks
+        of one page."""
         n = min(self.prefill_chunk, target - computed)
         last = (target - 1) // self.page_size * self.page_size
         return last - computed if computed < last < computed + n else n
+
+    def _cuts_at(self, req: _Request, depth: int) -> bool:
+        """Whether a cold run of ``req``'s prompt ends a chunk ``depth`` pages in (a chunk multiple
+        or the prompt's last page boundary): where a prefix hit may resume it exactly."""
+        return depth % self._snap_pages == 0 or depth == (req.prefill_target - 1) // self.page_size
 
     def _sync_table(self) -> None:
         if self._table_dirty:
@@ -668,13 +669,11 @@ class Engine:
         if prefill:
             if H != req.computed:
                 return  # a chunk of several pages ended past H: the rings hold more than H's state
-            # the prompt's last boundary (a chunk ends there, `_chunk_len`), for the same prompt again;
-            # the last chunk multiple below it, for a longer one (a next turn); every interval
+            # where a chunk ends: the prompt's last boundary, for the same prompt again; the last chunk
+            # multiple below it, for a longer one (a next turn); every interval
             last = (req.prefill_target - 1) // self.page_size
-            if depth % self._snap_pages == 0:
-                if depth % self.snapshot_interval and depth != last // self._snap_pages * self._snap_pages:
-                    return
-            elif depth != last:
+            kept = depth in (last, last // self._snap_pages * self._snap_pages) or depth % self.snapshot_interval == 0
+            if not (kept and self._cuts_at(req, depth)):
                 return
         elif depth % self._snap_pages:
             return  # a longer prompt's cold run cuts there only if it is a chunk multiple
