@@ -142,13 +142,16 @@ def _prefix(model, cfg, rng, args, eng_kw, device) -> dict:
     eng = Engine(model, max_running=2, **eng_kw)
     ttft_s(eng, system + q[0], device)  # publishes the prefix
     ttft_s(eng, system + q[1], device)  # the first hit
+    recordings = eng.stats["cuda_graph_recordings"]
     hit, cached = ttft_s(eng, system + q[2], device)
+    recordings = eng.stats["cuda_graph_recordings"] - recordings
     cold_eng = Engine(model, max_running=2, prefix_cache=False, **eng_kw)
     for question in q:
         cold, _ = ttft_s(cold_eng, system + question, device)
     print(f"TTFT, {args.system}-token system prompt: cold {cold * 1e3:.1f} ms  hit {hit * 1e3:.1f} ms "
-          f"({cached} cached, {hit / cold:.2f}x)")
-    return dict(system_tokens=args.system, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached, ratio=hit / cold)
+          f"({cached} cached, {hit / cold:.2f}x; CUDA-graph recordings in the hit: {recordings})")
+    return dict(system_tokens=args.system, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached, ratio=hit / cold,
+                hit_recordings=recordings)
 
 
 def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
@@ -157,27 +160,35 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
             for _ in range(2 * N)]
-    eng = Engine(model, max_running=N, **eng_kw)
-    eng.warm_up(filtered=False)  # every greedy step shape: the timed run compiles nothing
+    # random prompts share no prefix; without the cache the same requests run the same steps again, so
+    # running them once first compiles and records exactly the shapes the timed run takes
+    eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
+    run_engine = lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs])  # noqa: E731
+    run_engine()
+    run_engine()  # with CUDA graphs a shape's graph is recorded on its second call
     tokens = sum(n for _, n in reqs)
-    compile_before, finished_before = eng.stats["compile_time_s"], eng.stats["finished"]
-    t_eng = _timed(lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs]), device)
-    gen = Generator(model, max_batch_size=N, prefill_chunk=min(args.page_size, 2048), **common)
-    gen.generate([p for p, _ in reqs[:N]], [n for _, n in reqs[:N]])
+    before = {k: eng.stats[k] for k in ("compile_time_s", "finished", "cuda_graph_recordings", "cuda_graph_replays")}
+    t_eng = _timed(run_engine, device)
+    gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
+    run_static = lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])  # noqa: E731
+                          for i in range(0, len(reqs), N)]
+    run_static()
+    run_static()
     gen_compile_before = gen.stats["compile_time_s"]
-    t_gen = _timed(lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])
-                            for i in range(0, len(reqs), N)], device)
+    t_gen = _timed(run_static, device)
     s = eng.stats
     # compile time inside the timed runs (0 when the warm-ups covered every shape; else the ratio is not steady state)
-    timed_compile_s = dict(engine=s["compile_time_s"] - compile_before,
+    timed_compile_s = dict(engine=s["compile_time_s"] - before["compile_time_s"],
                            generator=gen.stats["compile_time_s"] - gen_compile_before)
+    timed = {k: s[k] - before[k] for k in ("finished", "cuda_graph_recordings", "cuda_graph_replays")}
     print(f"{len(reqs)} requests at concurrency {N}: Engine {tokens / t_eng:.0f} tok/s, static Generator "
           f"{tokens / t_gen:.0f} tok/s ({t_gen / t_eng:.2f}x); recompiles {s['recompiles']}, graph breaks "
-          f"{s['graph_breaks']}, CUDA-graph replays {s['cuda_graph_replays']}; compile inside the timed runs: "
-          f"engine {timed_compile_s['engine']:.1f} s, Generator {timed_compile_s['generator']:.1f} s")
+          f"{s['graph_breaks']}; in the timed run: CUDA-graph replays {timed['cuda_graph_replays']}, recordings "
+          f"{timed['cuda_graph_recordings']}, compile: engine {timed_compile_s['engine']:.1f} s, Generator "
+          f"{timed_compile_s['generator']:.1f} s")
     return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=t_eng, generator_s=t_gen,
                 engine_tok_s=tokens / t_eng, generator_tok_s=tokens / t_gen, ratio=t_gen / t_eng,
-                timed_compile_s=timed_compile_s, timed_finished=s["finished"] - finished_before, stats=s)
+                timed_compile_s=timed_compile_s, timed=timed, stats=s)
 
 
 def _capacity(model, args, eng_kw) -> dict:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .cudagraph_replays import replays
+from .cudagraph_replays import recordings, replays
 
 __all__ = ["CompiledSteps", "compile_step", "compile_options", "batch_buckets", "RECOMPILE_LIMIT"]
 
@@ -42,7 +42,7 @@ def compile_step(fn, cuda_graphs: bool, pdl: bool = False):
 
 class CompiledSteps:
     """Runs step functions and adds to ``stats`` (a dict with ``graph_breaks``, ``recompiles``,
-    ``compile_time_s``, ``cuda_graph_replays``). ``graphs[key]`` counts the graphs compiled per key;
+    ``compile_time_s``, ``cuda_graph_replays``, ``cuda_graph_recordings``). ``graphs[key]`` counts the graphs compiled per key;
     ``recompiles`` is every graph past a key's first; ``keys`` is every key run so far (compiled
     or not: the shapes a warm-up has covered)."""
 
@@ -56,7 +56,7 @@ class CompiledSteps:
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]
         breaks_before = sum(counters["graph_break"].values())
-        replays_before = replays()
+        replays_before, recordings_before = replays(), recordings()
         t0 = time.perf_counter()
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -79,6 +79,7 @@ class CompiledSteps:
         if self.cuda_graphs:
             # count the graphs the call really replayed (not warm-ups, recordings or cudagraph skips)
             self.stats["cuda_graph_replays"] += replays() - replays_before
+            self.stats["cuda_graph_recordings"] += recordings() - recordings_before
             # graph outputs are overwritten by the next replay
             out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         return out

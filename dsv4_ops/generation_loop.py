@@ -183,8 +183,8 @@ class GenerationLoop:
         self._host_lengths: list[int] = []  # mirror for boundary checks (no device sync)
         self.spec_history: list[list[int]] = []  # tokens emitted per row, per speculative step
         self._stats = dict(prefill_steps=0, decode_steps=0, compile_time_s=0.0, recompiles=0, graph_breaks=0,
-                           cuda_graph_replays=0, tokens_generated=0, decode_tokens=0, decode_time_s=0.0,
-                           spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
+                           cuda_graph_replays=0, cuda_graph_recordings=0, tokens_generated=0, decode_tokens=0,
+                           decode_time_s=0.0, spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
 
     # ------------------------------------------------------------------ prefill
     def _step_chunks(self, bucket: int) -> list[int]:
@@ -438,7 +438,8 @@ class GenerationLoop:
         accepted_tokens (drafts accepted), acceptance_rate (accepted / drafted), tokens_per_step
         (tokens emitted per request per speculative step), tokens_per_step_per_row (that mean per row
         of the latest speculative ``generate``, over the steps the row took part in).
-        cuda_graph_replays counts CUDA graphs actually replayed (0 without CUDA graphs)."""
+        cuda_graph_replays counts CUDA graphs actually replayed, cuda_graph_recordings those recorded
+        (0 without CUDA graphs)."""
         s = dict(self._stats)
         s["decode_tokens_per_s"] = s["decode_tokens"] / s["decode_time_s"] if s["decode_time_s"] else 0.0
         s["acceptance_rate"] = s["accepted_tokens"] / s["drafted_tokens"] if s["drafted_tokens"] else 0.0

@@ -263,8 +263,8 @@ class Engine:
         self._next_id = 0
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
-                           compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0, accepted_tokens=0,
-                           drafted_tokens=0, early_steps=0, early_rows_dropped=0)
+                           cuda_graph_recordings=0, compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0,
+                           accepted_tokens=0, drafted_tokens=0, early_steps=0, early_rows_dropped=0)
         self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -706,7 +706,7 @@ class Engine:
         """running, waiting, pages_used (held by requests or the cache) / pages_free / pages_cached,
         prefix_evictions, prefix_hit_tokens and
         prefix_hit_rate (hit tokens / prompt tokens admitted), preemptions, recompiles, graph_breaks,
-        cuda_graph_replays, generated_tokens, tokens_per_s (generated tokens over the time spent in
+        cuda_graph_replays, cuda_graph_recordings, generated_tokens, tokens_per_s (generated tokens over the time spent in
         ``step``, compiling excluded), the step counts, and with ``spec_steps > 0``
         accepted_tokens / drafted_tokens (drafts accepted / made, over every request) and their
         ratio acceptance_rate (``RequestOutput`` carries each request's own counts); early_steps (decode

@@ -89,13 +89,15 @@ def test_cuda_graphs_replay_after_warm_up_and_requests_coming_and_going_record_n
     reqs = [dict(prompt_ids=p, max_new_tokens=rng.randint(8, 20)) for p in random_prompts(rng, 12, (1, 60))]
     eng = engine(model, max_running=2, max_prefill_tokens=CHUNK, compile=True, num_pages=20)
     assert eng.cuda_graphs
-    run_arriving(eng, reqs[:4], random.Random(1))  # warm-up: every (kind, bucket) graph compiled and recorded
-    graphs, replays = dict(eng._graphs), eng.stats["cuda_graph_replays"]
+    eng.warm_up(filtered=False)  # every (kind, bucket) graph compiled and recorded
+    assert eng.stats["cuda_graph_recordings"] >= len(eng._graphs) > 0
+    graphs, replays, recordings = dict(eng._graphs), eng.stats["cuda_graph_replays"], eng.stats["cuda_graph_recordings"]
     with counted_syncs() as syncs:
         got = run_arriving(eng, reqs, random.Random(2))
     assert not syncs, syncs  # where each one came from
     assert eng.stats["early_steps"] > 0
     assert eng._graphs == graphs and eng.stats["recompiles"] == 0 and eng.stats["graph_breaks"] == 0
     assert eng.stats["cuda_graph_replays"] - replays >= eng.stats["steps"] // 2
+    assert eng.stats["cuda_graph_recordings"] == recordings
     want = run_arriving(engine(model, max_running=2, max_prefill_tokens=CHUNK, num_pages=20), reqs, random.Random(2))
     assert [got[i][0] for i in range(len(reqs))] == [want[i][0] for i in range(len(reqs))]
