@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=None, help="throughput: requests (default 2 x concurrency)")
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
     ap.add_argument("--page-size", type=int, default=256)
@@ -159,16 +160,21 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     N = args.concurrency
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
-            for _ in range(2 * N)]
+            for _ in range(args.requests or 2 * N)]
     # random prompts share no prefix; without the cache the same requests run the same steps again, so
     # running them once first compiles and records exactly the shapes the timed run takes
     eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
     run_engine = lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs])  # noqa: E731
     run_engine()
     run_engine()  # with CUDA graphs a shape's graph is recorded on its second call
-    tokens = sum(n for _, n in reqs)
-    before = {k: eng.stats[k] for k in ("compile_time_s", "finished", "cuda_graph_recordings", "cuda_graph_replays")}
+    counted = ("finished", "cuda_graph_recordings", "cuda_graph_replays", "decode_steps", "prefill_steps", "slot_moves")
+    before = {k: eng.stats[k] for k in ("compile_time_s", *counted)}
     t_eng = _timed(run_engine, device)
+    s = eng.stats
+    timed = {k: s[k] - before[k] for k in counted}
+    tokens = sum(n for _, n in reqs)
+    print(f"engine: {len(reqs)} requests at concurrency {N} in {t_eng:.2f} s ({tokens / t_eng:.0f} tok/s), "
+          + ", ".join(f"{k} {v}" for k, v in timed.items()), flush=True)
     gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
     run_static = lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])  # noqa: E731
                           for i in range(0, len(reqs), N)]
@@ -176,11 +182,9 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     run_static()
     gen_compile_before = gen.stats["compile_time_s"]
     t_gen = _timed(run_static, device)
-    s = eng.stats
     # compile time inside the timed runs (0 when the warm-ups covered every shape; else the ratio is not steady state)
     timed_compile_s = dict(engine=s["compile_time_s"] - before["compile_time_s"],
                            generator=gen.stats["compile_time_s"] - gen_compile_before)
-    timed = {k: s[k] - before[k] for k in ("finished", "cuda_graph_recordings", "cuda_graph_replays")}
     print(f"{len(reqs)} requests at concurrency {N}: Engine {tokens / t_eng:.0f} tok/s, static Generator "
           f"{tokens / t_gen:.0f} tok/s ({t_gen / t_eng:.2f}x); recompiles {s['recompiles']}, graph breaks "
           f"{s['graph_breaks']}; in the timed run: CUDA-graph replays {timed['cuda_graph_replays']}, recordings "

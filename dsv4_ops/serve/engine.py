@@ -6,8 +6,8 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    pages fit: match the prefix cache, restore the matched snapshot into the slot, point the
    slot's block-table row at the shared pages;
 2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
-   (chunks start at multiples of the chunk, a divisor or a multiple of the page size, or at the
-   prompt's last page boundary, and prefix snapshots sit where chunks end, so a prefix hit and a
+   (chunks start at multiples of the chunk, a divisor or a multiple of the page size, or, with a
+   prefix cache, at the prompt's last page boundary, and prefix snapshots sit where chunks end, so a prefix hit and a
    cold run cut a prompt at the same places);
    a request whose prompt ends samples its first token;
 3. a **decode** step for every request that has one, over slots ``0..bucket-1``; with
@@ -155,7 +155,7 @@ class Engine:
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
         prefill_chunk: tokens per prefill row per step: a divisor of ``page_size``, or (``spec_steps=0``)
             a multiple of it, which takes a long prompt in fewer, larger steps; chunks then also end at
-            each prompt's last page boundary, and prefix hits land on chunk ends only. A step whose
+            each prompt's last page boundary (with ``prefix_cache``), and prefix hits land on chunk ends only. A step whose
             chunks are all short runs at a narrower width. Default: the whole pages that fit in 2048
             tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
@@ -213,6 +213,9 @@ class Engine:
         self.snapshot_interval = snapshot_interval
         # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
         self._snap_pages = max(1, prefill_chunk // page_size)
+        # chunks of several pages end at the prompt's last page boundary too, for prefix hits there; without
+        # a prefix cache that cut only costs a step (a warm-up's disabled cache keeps the serving cuts)
+        self._cut_last_page = bool(prefix_cache) and self._snap_pages > 1
         if num_pages is not None and kv_memory_gb is not None:
             raise ValueError("Engine: give num_pages or kv_memory_gb, not both")
         if kv_memory_gb is not None:
@@ -233,6 +236,8 @@ class Engine:
         self.pool = PagedKVPool(model, max_running + 1, capacity, num_pages, page_size, kv_cache_dtype,
                                 lookahead=spec_steps)
         self.spec = SpecSlots(model, self.pool, spec_steps, page_size) if spec_steps else None
+        # a request's device state, indexed by its slot (what moving it to another slot copies)
+        self._per_slot = [self.pool.slot_len, *self.pool.ring_tensors(), *(self.spec.buffers() if self.spec else [])]
         self.allocator = PageAllocator(num_pages)
         num_snapshots = 2 * max_running if num_snapshots is None else num_snapshots
         check_int("num_snapshots", num_snapshots, 0)
@@ -264,7 +269,7 @@ class Engine:
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
                            cuda_graph_recordings=0, compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0,
-                           accepted_tokens=0, drafted_tokens=0, early_steps=0, early_rows_dropped=0)
+                           accepted_tokens=0, drafted_tokens=0, early_steps=0, early_rows_dropped=0, slot_moves=0)
         self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -345,6 +350,7 @@ class Engine:
     def _schedule(self) -> list[tuple]:
         """Admit, plan and launch this iteration's prefill and decode steps -> their results to read."""
         self._admit()
+        self._compact()
         prefill = self._plan_prefill()
         decode = [r for r in self._slots if r is not None and r.generated and r.computed == r.num_tokens - 1]
         # a speculative step writes k positions past the next token: pages for them too (not past the
@@ -375,6 +381,11 @@ class Engine:
                 self._ensure_pages(r, r.computed + 2)
         except OutOfPages:
             return None
+        moves = self._compact()
+        if moves:  # the step's input tokens follow their requests to the new slots
+            tokens = tokens.clone()
+            for src, dst in moves:
+                tokens[dst] = tokens[src]
         self._stats["early_steps"] += 1
         return early, self._run_decode(early, ids=tokens)
 
@@ -421,8 +432,11 @@ class Engine:
         enabled, self.cache.enabled = self.cache.enabled, False  # its long prompts are not worth caching
         try:
             for prompts in runs:
+                # b requests decode at once (bucket b; compaction moves late ones down) only if the first
+                # ones still decode when the last one's prefill step has run
+                new = -(-len(prompts) // self.prefill_rows) + 1
                 for kw in sampling:
-                    self.generate(prompts, max_new_tokens=min(2, self.max_seq_len + 1 - len(prompts[0])), **kw)
+                    self.generate(prompts, max_new_tokens=min(new, self.max_seq_len + 1 - len(prompts[0])), **kw)
         finally:
             self.cache.enabled = enabled
         return dict(keys=len(self._calls.keys), compile_time_s=self._stats["compile_time_s"] - compile_before,
@@ -460,6 +474,31 @@ class Engine:
                     t[slot].copy_(store[snap])
             if self.spec is not None and req.generated:  # resumed: its next token is known
                 self.spec.resume(slot, req.generated[-1], req.spec_saved)
+
+    def _compact(self) -> list[tuple[int, int]]:
+        """Move requests from slots at or past the smallest decode bucket that holds them all into
+        free slots below it: a decode step runs over slots ``0..bucket-1``, so one request left in a
+        high slot would keep every step at a large bucket (the expert weights of every padding row
+        read). A move copies the slot's device state (rings, length; speculative: the drafting
+        state) and its block-table row; the tokens are unchanged. Returns the moves ``(from, to)``."""
+        running = sum(r is not None for r in self._slots)
+        bucket = next((b for b in self.decode_buckets if b >= running), 0)
+        free = [i for i in range(bucket) if self._slots[i] is None]
+        moves = []
+        for src in range(bucket, self.max_running):
+            req = self._slots[src]
+            if req is None:
+                continue
+            dst = free.pop(0)
+            for t in self._per_slot:
+                t[dst].copy_(t[src])
+            self._block_table[dst] = self._block_table[src]
+            self._block_table[src].zero_()
+            self._slots[dst], self._slots[src], req.slot = req, None, dst
+            self._table_dirty = True
+            moves.append((src, dst))
+        self._stats["slot_moves"] += len(moves)
+        return moves
 
     def _ensure_pages(self, req: _Request, end: int) -> None:
         """Pages for positions ``< end`` (raises OutOfPages)."""
@@ -517,12 +556,12 @@ class Engine:
 
     def _chunk_len(self, target: int, computed: int = 0) -> int:
         """Tokens of the next prefill chunk of a request at ``computed`` of ``target`` positions:
-        ``prefill_chunk``, up to the end; a chunk of several pages also ends at the prompt's last
-        page boundary, so that a later request with the same prompt hits it there, as with chunks
-        of one page."""
+        ``prefill_chunk``, up to the end; with a prefix cache, a chunk of several pages also ends at
+        the prompt's last page boundary, so that a later request with the same prompt hits it there,
+        as with chunks of one page."""
         n = min(self.prefill_chunk, target - computed)
         last = (target - 1) // self.page_size * self.page_size
-        return last - computed if computed < last < computed + n else n
+        return last - computed if self._cut_last_page and computed < last < computed + n else n
 
     def _cuts_at(self, req: _Request, depth: int) -> bool:
         """Whether a cold run of ``req``'s prompt ends a chunk ``depth`` pages in (a chunk multiple
@@ -706,12 +745,13 @@ class Engine:
         """running, waiting, pages_used (held by requests or the cache) / pages_free / pages_cached,
         prefix_evictions, prefix_hit_tokens and
         prefix_hit_rate (hit tokens / prompt tokens admitted), preemptions, recompiles, graph_breaks,
-        cuda_graph_replays, cuda_graph_recordings, generated_tokens, tokens_per_s (generated tokens over the time spent in
-        ``step``, compiling excluded), the step counts, and with ``spec_steps > 0``
+        cuda_graph_replays, cuda_graph_recordings, generated_tokens, tokens_per_s (generated tokens over
+        the time spent in ``step``, compiling excluded), the step counts, and with ``spec_steps > 0``
         accepted_tokens / drafted_tokens (drafts accepted / made, over every request) and their
         ratio acceptance_rate (``RequestOutput`` carries each request's own counts); early_steps (decode
-        steps launched before the last one's tokens were read, ``overlap``) and early_rows_dropped
-        (their rows whose request had stopped: the overlap's wasted work)."""
+        steps launched before the last one's tokens were read, ``overlap``), early_rows_dropped
+        (their rows whose request had stopped: the overlap's wasted work) and slot_moves (requests
+        moved to a lower slot so that decode steps run at a smaller bucket)."""
         s = dict(self._stats)
         s["running"] = sum(r is not None for r in self._slots)
         s["waiting"] = len(self._waiting)

@@ -93,6 +93,25 @@ def test_a_prompt_of_max_seq_len_tokens_and_one_new_token_fits_the_smallest_pool
 
 
 @pytest.mark.parametrize("spec_steps", [0, 1])
+def test_a_request_left_in_a_high_slot_moves_down_and_decodes_at_a_small_bucket(model, spec_steps):
+    """Four requests take slots 0-3; as the three short ones end, the long one (slot 3) moves down to
+    slot 0 with its device state (also between overlapped steps, its input token with it), so the
+    steps after run at decode bucket 1, not 4; every request (greedy and sampled) still gets its
+    tokens alone."""
+    rng = random.Random(4)
+    model, prompts = (trained_model(), text_prompts(rng, 4, (5, 40))) if spec_steps else \
+        (model, random_prompts(rng, 4, (5, 40)))
+    new, temperature = [3, 4, 5, 30], [0.0, 0.9] * 2
+    eng = engine(model, spec_steps=spec_steps)
+    got = eng.generate(prompts, max_new_tokens=new, temperature=temperature, seed=3)
+    kind = "decode_sample" if spec_steps else "decode"
+    assert eng.stats["slot_moves"] >= 1 and any(k[:2] == (kind, 1) for k in eng._calls.keys)
+    want = [alone_spec(model, p, spec_steps, max_new_tokens=new[i], temperature=temperature[i], seed=3 + i)[0]
+            for i, p in enumerate(prompts)]
+    assert got == want
+
+
+@pytest.mark.parametrize("spec_steps", [0, 1])
 def test_a_tiny_pool_preempts_the_newest_request_and_gives_the_same_tokens(model, spec_steps):
     rng = random.Random(1)
     model, prompts = (trained_model(), text_prompts(rng, 6, (40, 70))) if spec_steps else \

@@ -134,6 +134,20 @@ def test_chunks_of_two_pages_hit_the_same_prompt_at_its_last_boundary_and_a_next
     _drained(eng)
 
 
+def test_without_a_prefix_cache_a_chunk_is_not_cut_at_the_prompts_last_boundary(model):
+    """The cut at a prompt's last page boundary serves prefix hits only: without a cache a prompt of
+    3 pages + 5 tokens takes one 4-page chunk instead of two steps, with the same tokens."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(256) for _ in range(3 * PAGE + 5)]
+    kw = dict(prefill_chunk=4 * PAGE, max_prefill_tokens=4 * PAGE)
+    steps, tokens = {}, {}
+    for cached in (True, False):
+        eng = engine(model, prefix_cache=cached, **kw)
+        tokens[cached] = _one_by_one(eng, [prompt], max_new_tokens=4)[0].tokens
+        steps[cached] = eng.stats["prefill_steps"]
+    assert steps == {True: 2, False: 1} and tokens[True] == tokens[False]
+
+
 def test_a_step_of_short_chunks_runs_at_a_narrower_width_and_a_hit_pays_only_for_its_tail(model):
     """A chunk of 8 pages (256 tokens) compiles prefill widths 64 and 256: a prompt's 256-token chunk
     runs at 256 and its 44-token tail at 64; a request that hits the first chunk runs only a 64-wide
