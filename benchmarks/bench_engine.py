@@ -7,9 +7,10 @@ through the public calls (issue #44's GPU numbers):
 * **prefix hit vs cold TTFT**: a ``--system``-token shared system prompt + a short question, the
   time from ``add_request`` to the first token, once cold (``prefix_cache=False``) and once after
   another request published the prefix;
-* **throughput at ``--concurrency`` requests of mixed lengths** (prompts and ``max_new_tokens``
-  drawn uniformly): the engine with every request queued at once vs the ``Generator`` running the
-  same requests in static batches of ``--concurrency`` (each batch waits for its longest member);
+* **throughput at ``--concurrency`` requests of mixed lengths** (``--requests`` of them, prompts and
+  ``max_new_tokens`` drawn uniformly): the engine with every request queued at once vs the
+  ``Generator`` running the same requests in static batches of ``--concurrency`` (each batch waits
+  for its longest member);
 * **capacity**: the positions the paged pool holds in the memory today's per-row pool takes for
   ``--concurrency`` x ``--max-seq-len``, and the longest request beside ``--concurrency`` - 1 requests
   of an eighth of ``--max-seq-len`` (the per-row pool: ``--max-seq-len``);
@@ -87,7 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp8"))
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=None, help="throughput: requests (default 2 x concurrency)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="throughput: requests (default 8 x concurrency: with 2 x, the last one admitted decides "
+                         "the engine's time, as the longest one decides each static batch's)")
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
     ap.add_argument("--page-size", type=int, default=256)
@@ -100,6 +103,7 @@ def main(argv=None) -> int:
     device, cfg, model = bench_setup(args, "bench_engine.py", bench_config)
     if args.smoke:
         args.concurrency, args.max_seq_len, args.system, args.page_size = 4, 256, 64, 32
+        args.requests = args.requests or 8
     compile_ = not args.smoke
     rng = random.Random(0)
     common = dict(max_seq_len=args.max_seq_len, compile=compile_, kv_cache_dtype=args.kv_cache_dtype)
@@ -160,7 +164,7 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     N = args.concurrency
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
-            for _ in range(args.requests or 2 * N)]
+            for _ in range(args.requests or 8 * N)]
     # random prompts share no prefix; without the cache the same requests run the same steps again, so
     # running them once first compiles and records exactly the shapes the timed run takes
     eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))

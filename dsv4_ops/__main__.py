@@ -16,8 +16,9 @@ def _export(args) -> int:
     else:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         model = dsv4_ops.load_pretrained(args.config, dtype=dtype, device=args.device)
+    chunks = args.prefill_chunk
     path = dsv4_ops.export(model, args.out, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                           prefill_chunk=args.prefill_chunk)
+                           prefill_chunk=chunks[0] if chunks and len(chunks) == 1 else chunks)
     print(f"wrote {path}: load it with dsv4_ops.AOTIGenerator({path!r}) or build/dsv4_run {path} --prompt 1,2,3")
     return 0
 
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--out", required=True, help="package path, ending in .pt2")
     export.add_argument("--max-batch-size", type=int, default=4)
     export.add_argument("--max-seq-len", type=int, default=512)
-    export.add_argument("--prefill-chunk", type=int, default=None,
-                        help="tokens a row per prefill step (default: export()'s, from the batch size)")
+    export.add_argument("--prefill-chunk", type=int, nargs="+", default=None,
+                        help="tokens a row per prefill step, one size or several, a prefill program each "
+                             "(default: export()'s chunk buckets for the batch size)")
     export.add_argument("--device", default="cpu", help="device the package runs on (cpu or cuda)")
     export.add_argument("--dtype", default=None, help="weights dtype for a checkpoint (e.g. bfloat16)")
     export.add_argument("--seed", type=int, default=0, help="random weights of --config tiny")

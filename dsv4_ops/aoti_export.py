@@ -5,20 +5,23 @@ programs (and, with ``spec_steps = k > 0``, the speculative prefill chunk and st
 Package layout (format 1). Models, each an AOTI program over a static batch ``B``:
 
 * ``prefill(ids int64 [B, C], n_new int32 [B], lengths int32 [B], cache...) -> logits fp32 [B, V]``
-  at each row's last new token of the chunk;
+  at each row's last new token of the chunk, ``C`` the largest of the package's chunk sizes
+  (``dsv4.prefill_chunks``, ascending; ``dsv4.prefill_chunk`` is the largest); ``prefill_<C>``
+  the same for each smaller one, so that a step whose rows have fewer tokens left runs the smallest
+  chunk that holds them (``generation_loop.chunk_schedule``);
 * ``decode(ids int64 [B], n_new int32 [B], lengths int32 [B], cache...) -> logits fp32 [B, V]``;
 * with ``spec_steps = k``: ``spec_prefill(ids [B, C], next_ids [B, C], n_new, n_mtp, lengths,
   h_last, cache..., mtp_cache...) -> logits`` (also fills the MTP block's window) and
   ``spec(active int32 [B], lengths, last_tok int64 [B], drafts int64 [B, k], h_last, cache...,
   mtp_cache...) -> (tokens int64 [B, k+1], counts int32 [B])`` (verify + MTP drafts, one step;
-  ``speculative.py``).
+  ``speculative.py``); ``spec_prefill_<C>`` for each smaller chunk size.
 
 Every program updates its state inputs IN PLACE (the KV pool ``cache...`` — every layer's
 window ring, compressor-input rings and pools, flattened in the order ``dsv4.cache`` lists —
 ``lengths += n_new``, and the speculative state): the state is allocated once by the caller
 (zeros) and passed to every program, so they share it. A row with ``n_new == 0`` (``active ==
 0``) is padding. Every model's metadata carries ``dsv4.format``, ``dsv4.max_batch_size``,
-``dsv4.max_seq_len``, ``dsv4.prefill_chunk``, ``dsv4.vocab_size``, ``dsv4.spec_steps``,
+``dsv4.max_seq_len``, ``dsv4.prefill_chunk``, ``dsv4.prefill_chunks``, ``dsv4.vocab_size``, ``dsv4.spec_steps``,
 ``dsv4.device``, ``dsv4.cache`` (``"dtype:d0xd1x..;..."``) and, for ``k > 0``,
 ``dsv4.mtp_cache`` and ``dsv4.h_last``. The weights are compiled into each program.
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +51,8 @@ from .model.plan import RingSizes, ring_sizes
 from .progress import Progress
 from .speculative import SpecState, SpeculativeStep
 
-__all__ = ["export", "FORMAT", "PROGRAMS", "SPEC_PROGRAMS", "cache_spec", "parse_cache_spec"]
+__all__ = ["export", "FORMAT", "PROGRAMS", "SPEC_PROGRAMS", "cache_spec", "parse_cache_spec", "prefill_program",
+           "prefill_chunks"]
 
 FORMAT = "1"
 PROGRAMS = ("prefill", "decode")
@@ -55,6 +60,17 @@ SPEC_PROGRAMS = ("spec_prefill", "spec")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32,
            "int64": torch.int64, "uint8": torch.uint8}  # uint8: FP8 cache pages
 _NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def prefill_program(name: str, chunk: int, chunks: list[int]) -> str:
+    """The program of ``name`` (``"prefill"`` or ``"spec_prefill"``) for chunks of ``chunk`` tokens:
+    ``name`` itself for the largest of ``chunks``, else ``name_<chunk>``."""
+    return name if chunk == max(chunks) else f"{name}_{chunk}"
+
+
+def prefill_chunks(metadata: dict[str, str]) -> list[int]:
+    """A package's chunk sizes, ascending (a package without ``dsv4.prefill_chunks``: its one chunk)."""
+    return [int(c) for c in metadata.get("dsv4.prefill_chunks", metadata["dsv4.prefill_chunk"]).split(",")]
 
 
 def cache_spec(tensors: list[Tensor]) -> str:
@@ -118,13 +134,15 @@ class _SpecStep(_SpecProgram):
 
 
 def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-           prefill_chunk: int | None = None, *, verbose: bool = True, kv_cache_dtype: str = "auto") -> str:
+           prefill_chunk: int | Sequence[int] | None = None, *, verbose: bool = True,
+           kv_cache_dtype: str = "auto") -> str:
     """Export ``model`` (a ``dsv4_ops.DeepseekV4ForCausalLM``, on the device the package will run
     on) as ONE ``.pt2`` package (see the module docstring) for batches of up to
-    ``max_batch_size`` requests of up to ``max_seq_len`` tokens, prefilled in chunks of
-    ``prefill_chunk`` (default: the largest of ``Generator``'s chunk buckets whose step of
-    ``max_batch_size`` rows stays in its default token budget: 2048 for 4 rows, 64 for 64); ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per
-    step). Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
+    ``max_batch_size`` requests of up to ``max_seq_len`` tokens, prefilled in chunks:
+    ``prefill_chunk`` one chunk size or several (a prefill program each); default: ``Generator``'s
+    chunk buckets whose step of ``max_batch_size`` rows stays in its default token budget (64,
+    256, 1024 and 2048 tokens for 4 rows; 64 for 64), so a short prompt does not pay for a long
+    chunk; ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per step). Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
     ``build/dsv4_run``. Compiling takes tens of seconds to minutes per program on a CPU, about a
     minute on a GPU; ``verbose`` prints one progress line per program. ``kv_cache_dtype``
     (``"auto"`` = the model's dtype, ``"bf16"``, ``"fp8"``) fixes the pool's layout in the package
@@ -135,9 +153,16 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
         raise ValueError(f"export: path must end in .pt2, got {path!r}")
     check_int("export: max_batch_size", max_batch_size, 1)
     check_int("export: max_seq_len", max_seq_len, 1)
-    if prefill_chunk is None:  # one chunk for every prompt: the largest a step of B rows may take
-        prefill_chunk = max(chunks_within(chunk_buckets(max_seq_len), DEFAULT_MAX_PREFILL_TOKENS, max_batch_size))
-    check_int("export: prefill_chunk", prefill_chunk, 1)
+    if prefill_chunk is None:  # Generator's chunk buckets for a step of B rows
+        chunks = chunks_within(chunk_buckets(max_seq_len), DEFAULT_MAX_PREFILL_TOKENS, max_batch_size)
+    else:
+        chunks = [prefill_chunk] if isinstance(prefill_chunk, int) else list(prefill_chunk)
+        if not chunks:
+            raise ValueError("export: prefill_chunk must be a positive int or a non-empty list of them, got []")
+        for c in chunks:
+            check_int("export: prefill_chunk", c, 1)
+    chunks = sorted(set(chunks))
+    prefill_chunk = chunks[-1]
     check_int("export: spec_steps", spec_steps, 0)
     k = spec_steps
     if k and len(model.mtp) == 0:
@@ -158,23 +183,29 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     cache = [t for st in states for t in st.tensors().values()]
     lengths = torch.zeros(B, dtype=torch.int32, device=device)
     metadata = {"dsv4.format": FORMAT, "dsv4.max_batch_size": str(B), "dsv4.max_seq_len": str(max_seq_len),
-                "dsv4.prefill_chunk": str(prefill_chunk), "dsv4.vocab_size": str(cfg.vocab_size),
+                "dsv4.prefill_chunk": str(prefill_chunk), "dsv4.prefill_chunks": ",".join(map(str, chunks)),
+                "dsv4.vocab_size": str(cfg.vocab_size),
                 "dsv4.spec_steps": str(k), "dsv4.device": device.type, "dsv4.cache": cache_spec(cache),
                 "dsv4.kv_cache_dtype": kv_cache_dtype}
-    ids_c = torch.zeros(B, prefill_chunk, dtype=torch.long, device=device)
-    full = torch.full((B,), prefill_chunk, dtype=torch.int32, device=device)
     ones = torch.ones(B, dtype=torch.int32, device=device)
     cached = _CachedStep(model, layout, rings)
-    programs = {"prefill": (cached, (ids_c, full, lengths, cache)),
-                "decode": (cached, (torch.zeros(B, dtype=torch.long, device=device), ones, lengths, cache))}
+
+    def chunk_args(C: int) -> tuple[Tensor, Tensor]:  # a chunk's ids and n_new
+        return torch.zeros(B, C, dtype=torch.long, device=device), torch.full((B,), C, dtype=torch.int32, device=device)
+
+    programs = {prefill_program("prefill", C, chunks): (cached, (*chunk_args(C), lengths, cache)) for C in chunks}
+    programs["decode"] = (cached, (torch.zeros(B, dtype=torch.long, device=device), ones, lengths, cache))
     if k:
         mtp_state = model.mtp[0].self_attn.new_state(B, capacity, mtp_rings, cache_dtype, device, fp8_cache)
         mtp_layout, mtp_cache = [list(mtp_state.tensors())], list(mtp_state.tensors().values())
         h_last = torch.zeros(B, cfg.hc_mult, cfg.hidden_size, dtype=dtype, device=device)
         metadata.update({"dsv4.mtp_cache": cache_spec(mtp_cache), "dsv4.h_last": cache_spec([h_last])})
         spec_args = (model, k, layout, mtp_layout, rings, mtp_rings)
-        programs["spec_prefill"] = (_SpecPrefill(*spec_args), (ids_c, ids_c, full, full - 1, lengths, h_last, cache,
-                                                               mtp_cache))
+        spec_prefill = _SpecPrefill(*spec_args)
+        for C in chunks:
+            ids_c, full = chunk_args(C)
+            programs[prefill_program("spec_prefill", C, chunks)] = (
+                spec_prefill, (ids_c, ids_c, full, full - 1, lengths, h_last, cache, mtp_cache))
         programs["spec"] = (_SpecStep(*spec_args), (ones, lengths, torch.zeros(B, dtype=torch.long, device=device),
                                                     torch.zeros(B, k, dtype=torch.long, device=device), h_last,
                                                     cache, mtp_cache))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .aoti_export import FORMAT, PROGRAMS, SPEC_PROGRAMS, parse_cache_spec
+from .aoti_export import FORMAT, PROGRAMS, SPEC_PROGRAMS, parse_cache_spec, prefill_chunks, prefill_program
 from .generation_loop import GenerationLoop, PreparedBatch
 from .speculative import start_drafts
 
@@ -48,7 +48,8 @@ class AOTIGenerator(GenerationLoop):
 
     Args:
         path: a ``.pt2`` from ``dsv4_ops.export``. Its limits are fixed at export and read from
-            it: ``max_batch_size``, ``max_seq_len``, ``prefill_chunk``, ``spec_steps``,
+            it: ``max_batch_size``, ``max_seq_len``, ``prefill_chunks`` (``prefill_chunk``: the
+            largest), ``spec_steps``,
             ``kv_cache_dtype`` (``export(..., kv_cache_dtype="fp8")`` packages an FP8 pool).
         device: where to run; default the device it was exported for (``cuda:N`` picks the GPU).
         cuda_graphs: replay decode / speculative steps as CUDA graphs (None = on for CUDA packages).
@@ -74,6 +75,7 @@ class AOTIGenerator(GenerationLoop):
         self.max_batch_size = int(meta["dsv4.max_batch_size"])
         self.max_seq_len = int(meta["dsv4.max_seq_len"])
         self.prefill_chunk = int(meta["dsv4.prefill_chunk"])
+        self.prefill_chunks = prefill_chunks(meta)  # a step runs the smallest that holds its rows' tokens
         self.vocab_size = int(meta["dsv4.vocab_size"])
         self.spec_steps = int(meta["dsv4.spec_steps"])
         self.kv_cache_dtype = meta.get("dsv4.kv_cache_dtype", "auto")  # fixed at export (its pool layout)
@@ -91,6 +93,8 @@ class AOTIGenerator(GenerationLoop):
         if self.speculative and self.spec_steps == 0:
             raise ValueError(f"AOTIGenerator: speculative=True but {path!r} was exported with spec_steps=0")
         names = PROGRAMS + (SPEC_PROGRAMS if self.speculative else ())
+        names += tuple(prefill_program(p, C, self.prefill_chunks) for C in self.prefill_chunks[:-1]
+                       for p in ("prefill", "spec_prefill") if p in names)
         self._runners = {name: self._load(name) for name in names}
 
         B, dev = self.max_batch_size, self.device
@@ -141,9 +145,9 @@ class AOTIGenerator(GenerationLoop):
 
     # ------------------------------------------------------------------ running programs
     def _inputs(self, name: str, *step_inputs: Tensor) -> tuple:
-        if name in PROGRAMS:
+        if name == "decode" or name.startswith("prefill"):
             return (*step_inputs, self.lengths, self.cache)
-        if name == "spec_prefill":
+        if name.startswith("spec_prefill"):
             return (*step_inputs, self.lengths, self.h_last, self.cache, self.mtp_cache)
         return (*step_inputs, self.lengths, self.last_tok, self.drafts, self.h_last, self.cache, self.mtp_cache)
 
@@ -182,10 +186,15 @@ class AOTIGenerator(GenerationLoop):
         self._decode_mask = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)
         return self._prefill_batch(batch)
 
+    def _step_chunks(self, bucket: int) -> list[int]:
+        return self.prefill_chunks
+
     def _prefill_chunk(self, j: int, batch: PreparedBatch) -> Tensor:
         if self.speculative:
-            return self._run("spec_prefill", batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
-        return self._run("prefill", batch.ids[j], batch.n_new(j))
+            name = prefill_program("spec_prefill", batch.chunks[j], self.prefill_chunks)
+            return self._run(name, batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
+        return self._run(prefill_program("prefill", batch.chunks[j], self.prefill_chunks), batch.ids[j],
+                         batch.n_new(j))
 
     def _decode_rows(self) -> Tensor:
         return self._decode_mask

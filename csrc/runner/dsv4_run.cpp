@@ -1,7 +1,7 @@
 // dsv4_run: prefill + greedy decode of a DeepSeek-V4 AOTInductor package (.pt2).
 //
-// The package holds two AOTI models, "prefill" and "decode", whose metadata
-// carries the dsv4.* keys (see csrc/runner/README.md for the interface). A CUDA
+// The package holds the AOTI models "prefill" (its largest prefill chunk), "prefill_<C>" for each
+// smaller chunk size of dsv4.prefill_chunks, and "decode", whose metadata carries the dsv4.* keys (see csrc/runner/README.md for the interface). A CUDA
 // package calls the indexer's CUDA top-k, dsv4::topk_rows_cuda, a C++ op of
 // dsv4_ops' native library (dsv4_ops/_C*.so) that AOTInductor's proxy executor
 // finds in the dispatcher: the runner dlopens that library before it loads the
@@ -189,6 +189,7 @@ struct CacheSpec {
 
 struct PackageInfo {
   int64_t max_batch = 0, max_seq_len = 0, chunk = 0, vocab = 0;
+  std::vector<int64_t> chunks;  // ascending; the last is `chunk` (the "prefill" model's)
   std::string device;
   std::vector<CacheSpec> cache;
 };
@@ -257,6 +258,24 @@ PackageInfo read_info(const std::unordered_map<std::string, std::string>& m, con
   p.max_batch = meta_int(m, "dsv4.max_batch_size", model);
   p.max_seq_len = meta_int(m, "dsv4.max_seq_len", model);
   p.chunk = meta_int(m, "dsv4.prefill_chunk", model);
+  auto chunks = m.find("dsv4.prefill_chunks");  // absent in packages of one chunk size
+  if (chunks == m.end()) {
+    p.chunks = {p.chunk};
+  } else {
+    std::stringstream ss(chunks->second);
+    std::string part;
+    while (std::getline(ss, part, ',')) {
+      char* end = nullptr;
+      long long c = std::strtoll(part.c_str(), &end, 10);
+      if (part.empty() || *end != '\0' || c <= 0 || (!p.chunks.empty() && c <= p.chunks.back()))
+        runtime_error(model + ": metadata dsv4.prefill_chunks='" + chunks->second +
+                      "' is not an ascending list of positive integers");
+      p.chunks.push_back(c);
+    }
+    if (p.chunks.empty() || p.chunks.back() != p.chunk)
+      runtime_error(model + ": metadata dsv4.prefill_chunks='" + chunks->second + "' does not end at dsv4.prefill_chunk=" +
+                    std::to_string(p.chunk));
+  }
   p.vocab = meta_int(m, "dsv4.vocab_size", model);
   auto dev = m.find("dsv4.device");
   if (dev == m.end()) runtime_error(model + ": metadata key dsv4.device missing");
@@ -466,7 +485,16 @@ int run_main(const Options& o) {
       dinfo.cache.size() != info.cache.size())
     runtime_error(o.model + ": prefill and decode metadata disagree (batch/vocab/device/cache)");
 
-  const int64_t B = info.max_batch, C = info.chunk;
+  // one prefill model per chunk size: a step runs the smallest that holds the longest remaining part of any
+  // row (as dsv4_ops' chunk_schedule), so a short prompt does not pay for the largest chunk
+  std::map<int64_t, torch::inductor::AOTIModelPackageLoader*> prefills{{info.chunk, prefill.get()}};
+  std::vector<std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> smaller;
+  for (int64_t c : info.chunks)
+    if (c != info.chunk) {
+      smaller.push_back(load_model(o.model, "prefill_" + std::to_string(c), false, dev_index, native));
+      prefills[c] = smaller.back().get();
+    }
+  const int64_t B = info.max_batch;
   const c10::Device device = on_cuda ? c10::Device(c10::kCUDA, dev_index) : c10::Device(c10::kCPU);
   auto sync = [&]() {
 #ifdef DSV4_WITH_CUDA
@@ -492,7 +520,11 @@ int run_main(const Options& o) {
   at::Tensor lengths = at::zeros({B}, at::TensorOptions().dtype(at::kInt).device(device));
   sync();
   log("loaded " + o.model + " in " + fmt_ms(ms_since(t_load)) + " (device=" + info.device +
-      ", B=" + std::to_string(B) + ", C=" + std::to_string(C) + ", max_seq_len=" +
+      ", B=" + std::to_string(B) + ", chunks=" + [&] {
+        std::string out;
+        for (int64_t c : info.chunks) out += (out.empty() ? "" : ",") + std::to_string(c);
+        return out;
+      }() + ", max_seq_len=" +
       std::to_string(info.max_seq_len) + ", vocab=" + std::to_string(info.vocab) + ")");
 
   auto with_caches = [&](std::vector<at::Tensor> head) {
@@ -510,25 +542,35 @@ int run_main(const Options& o) {
     return lg;
   };
 
-  // ---- prefill, in chunks of C tokens ----
+  // ---- prefill, in chunks ----
   int64_t max_len = 0;
   for (auto& p : o.prompts) max_len = std::max<int64_t>(max_len, (int64_t)p.size());
-  const int64_t n_chunks = (max_len + C - 1) / C;
+  std::vector<int64_t> schedule;  // each step's chunk size
+  for (int64_t left = max_len; left > 0;) {
+    int64_t c = info.chunk;
+    for (int64_t s : info.chunks)
+      if (s >= left) { c = s; break; }
+    schedule.push_back(c);
+    left -= c;
+  }
+  const int64_t n_chunks = (int64_t)schedule.size();
   at::Tensor first = at::zeros({B}, at::kLong);  // each row's first new token (0 for padding rows)
   auto first_a = first.accessor<int64_t, 1>();
   auto t_prefill = Clock::now();
-  for (int64_t j = 0; j < n_chunks; ++j) {
+  for (int64_t j = 0, start = 0; j < n_chunks; start += schedule[j], ++j) {
+    const int64_t C = schedule[j];
     at::Tensor ids = at::zeros({B, C}, at::kLong);
     at::Tensor n_new = at::zeros({B}, at::kInt);
     auto ids_a = ids.accessor<int64_t, 2>();
     auto n_a = n_new.accessor<int32_t, 1>();
     for (int64_t b = 0; b < P; ++b) {
       const auto& p = o.prompts[b];
-      int64_t n = std::clamp<int64_t>((int64_t)p.size() - j * C, 0, C);
+      int64_t n = std::clamp<int64_t>((int64_t)p.size() - start, 0, C);
       n_a[b] = (int32_t)n;
-      for (int64_t i = 0; i < n; ++i) ids_a[b][i] = p[j * C + i];
+      for (int64_t i = 0; i < n; ++i) ids_a[b][i] = p[start + i];
     }
-    at::Tensor logits = run_checked(*prefill, "prefill", with_caches({ids.to(device), n_new.to(device), lengths}));
+    at::Tensor logits =
+        run_checked(*prefills.at(C), "prefill", with_caches({ids.to(device), n_new.to(device), lengths}));
     at::Tensor best = argmax_rows(logits).cpu();
     auto best_a = best.accessor<int64_t, 1>();
     for (int64_t b = 0; b < P; ++b)

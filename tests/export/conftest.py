@@ -9,7 +9,7 @@ import pytest
 from dsv4_ops import Generator
 from model_util import random_model
 
-from package_case import CFG, LIMITS, NEW_TOKENS, PROMPTS, SPEC_STEPS
+from package_case import CFG, LIMITS, NEW_TOKENS, PACKAGE_CHUNKS, PROMPTS, SPEC_STEPS
 
 
 @pytest.fixture(scope="session")
@@ -28,4 +28,4 @@ def tiny_package(tiny_model, tmp_path_factory):
     import dsv4_ops
 
     path = tmp_path_factory.mktemp("pkg") / "tiny.pt2"
-    return str(dsv4_ops.export(tiny_model, path, spec_steps=SPEC_STEPS, **LIMITS))
+    return str(dsv4_ops.export(tiny_model, path, spec_steps=SPEC_STEPS, **{**LIMITS, "prefill_chunk": PACKAGE_CHUNKS}))

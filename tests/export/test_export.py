@@ -21,18 +21,19 @@ from dsv4_ops import AOTIGenerator, Generator
 from dsv4_ops.aoti_export import PROGRAMS, SPEC_PROGRAMS, _CachedStep, exported_program, parse_cache_spec
 from dsv4_ops.model.plan import ring_sizes
 
-from package_case import CFG, LIMITS, NEW_TOKENS, PROMPTS, SPEC_STEPS
+from package_case import CFG, LIMITS, NEW_TOKENS, PACKAGE_CHUNKS, PROMPTS, SPEC_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_package_holds_both_programs_and_its_limits(tiny_package) -> None:
     names = zipfile.ZipFile(tiny_package).namelist()
-    for program in PROGRAMS + SPEC_PROGRAMS:
+    for program in PROGRAMS + SPEC_PROGRAMS + ("prefill_16", "spec_prefill_16"):
         assert any(f"/data/aotinductor/{program}/" in n and n.endswith(".so") for n in names), program
     gen = AOTIGenerator(tiny_package)
     meta = gen.metadata
-    assert (gen.max_batch_size, gen.max_seq_len, gen.prefill_chunk, gen.spec_steps) == (4, 96, 16, SPEC_STEPS)
+    assert (gen.max_batch_size, gen.max_seq_len, gen.prefill_chunk, gen.spec_steps) == (4, 96, 32, SPEC_STEPS)
+    assert gen.prefill_chunks == list(PACKAGE_CHUNKS)  # prefill_16 and spec_prefill_16 beside them
     assert gen.speculative and not AOTIGenerator(tiny_package, speculative=False).speculative
     assert meta["dsv4.vocab_size"] == str(CFG.vocab_size) and meta["dsv4.device"] == "cpu"
     specs = parse_cache_spec(meta["dsv4.cache"])
@@ -72,7 +73,10 @@ def test_sampling_and_stop_ids_match_the_eager_generator(tiny_model, tiny_packag
 def test_prefill_and_decode_logits_equal_eager(tiny_model, tiny_package, tol) -> None:
     gen = AOTIGenerator(tiny_package, speculative=False)
     eager = dsv4_ops.Generator(tiny_model, compile=False, **LIMITS)
+    ran, run = [], gen._run
+    gen._run = lambda name, *inputs: (ran.append(name), run(name, *inputs))[1]
     a, b = gen.prefill(PROMPTS), eager.prefill(PROMPTS)
+    assert ran == ["prefill", "prefill_16"]  # 37 tokens: a step of 32, then the smallest chunk for the 5 left
     torch.testing.assert_close(a, b, **tol("exported_vs_eager"))
     for _ in range(20):
         ids = b.argmax(-1)
@@ -179,23 +183,33 @@ class _Exported(Exception):
     pass
 
 
-@pytest.mark.parametrize("batch, max_seq_len, chunk", [(4, 4096, 2048), (8, 4096, 1024), (64, 4096, 64),
-                                                       (2, 100, 100)])
-def test_the_default_prefill_chunk_is_the_largest_chunk_bucket_a_step_of_the_batch_may_take(
-        tmp_path, monkeypatch, batch, max_seq_len, chunk) -> None:
-    """Without ``prefill_chunk``, a package's prefill program takes what ``Generator``'s chunk buckets
-    would give a full batch under its default token budget (8192 a step), capped at ``max_seq_len``."""
-    shapes = []
+@pytest.mark.parametrize("batch, max_seq_len, chunks", [(4, 4096, [64, 256, 1024, 2048]), (8, 4096, [64, 256, 1024]),
+                                                        (64, 4096, [64]), (2, 100, [64, 100])])
+def test_the_default_prefill_programs_are_the_chunk_buckets_a_step_of_the_batch_may_take(
+        tmp_path, monkeypatch, batch, max_seq_len, chunks) -> None:
+    """Without ``prefill_chunk``, a package has a prefill program for each of ``Generator``'s chunk
+    buckets that a full batch may take under its default token budget (8192 a step), capped at
+    ``max_seq_len``; the largest is ``prefill``, the others ``prefill_<C>``."""
+    shapes = {}
 
-    def first_program(module, args):
-        shapes.append(tuple(args[0].shape))
-        raise _Exported
+    class Program:  # what aot_compile is given (never compiled here)
+        example_inputs = ((), {})
 
-    monkeypatch.setattr(dsv4_ops.aoti_export, "exported_program", first_program)
+        def module(self):
+            return None
+
+    def exported(module, args):
+        if args[0].dim() == 1:  # the decode program: every prefill program came before it
+            raise _Exported
+        shapes[len(shapes)] = tuple(args[0].shape)
+        return Program()
+
+    monkeypatch.setattr(dsv4_ops.aoti_export, "exported_program", exported)
+    monkeypatch.setattr(torch._inductor, "aot_compile", lambda *args, **kwargs: "unused")
     model = dsv4_ops.DeepseekV4ForCausalLM(dsv4_ops.DSV4Config.tiny()).eval()
     with pytest.raises(_Exported):
         dsv4_ops.export(model, tmp_path / "m.pt2", max_batch_size=batch, max_seq_len=max_seq_len, verbose=False)
-    assert shapes == [(batch, chunk)]
+    assert list(shapes.values()) == [(batch, c) for c in chunks]
 
 
 def test_export_rejects_bad_arguments(tiny_model, tmp_path) -> None:
