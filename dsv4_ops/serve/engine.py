@@ -39,7 +39,9 @@ buckets 1, 2, 4, ... the prefill rows, each at a few widths up to ``prefill_chun
 the narrowest that holds its chunks: a short prompt or a tail after a prefix hit pays no full
 chunk); sampling settings are tensor inputs, ``filtered`` (any top-k / top-p) the one static
 choice (and, speculative, whether any row samples: kind ``decode_sample``). Requests coming and
-going add no graphs.
+going add no graphs. A decode step runs over slots ``0..bucket-1``, so when requests leave, the
+ones in slots past the smallest bucket that holds them all move down (their device state copied):
+a draining batch decodes at small buckets.
 """
 from __future__ import annotations
 
