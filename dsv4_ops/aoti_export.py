@@ -142,7 +142,8 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     ``prefill_chunk`` one chunk size or several (a prefill program each); default: ``Generator``'s
     chunk buckets whose step of ``max_batch_size`` rows stays in its default token budget (64,
     256, 1024 and 2048 tokens for 4 rows; 64 for 64), so a short prompt does not pay for a long
-    chunk; ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per step). Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
+    chunk; ``spec_steps = k > 0`` adds the MTP speculative programs (``k`` drafts per step).
+    Returns the path. Load it with ``dsv4_ops.AOTIGenerator(path)`` or run it with
     ``build/dsv4_run``. Compiling takes tens of seconds to minutes per program on a CPU, about a
     minute on a GPU; ``verbose`` prints one progress line per program. ``kv_cache_dtype``
     (``"auto"`` = the model's dtype, ``"bf16"``, ``"fp8"``) fixes the pool's layout in the package

@@ -1,10 +1,10 @@
 // dsv4_run: prefill + greedy decode of a DeepSeek-V4 AOTInductor package (.pt2).
 //
 // The package holds the AOTI models "prefill" (its largest prefill chunk), "prefill_<C>" for each
-// smaller chunk size of dsv4.prefill_chunks, and "decode", whose metadata carries the dsv4.* keys (see csrc/runner/README.md for the interface). A CUDA
-// package calls the indexer's CUDA top-k, dsv4::topk_rows_cuda, a C++ op of
-// dsv4_ops' native library (dsv4_ops/_C*.so) that AOTInductor's proxy executor
-// finds in the dispatcher: the runner dlopens that library before it loads the
+// smaller chunk size of dsv4.prefill_chunks, and "decode", whose metadata carries the dsv4.* keys
+// (see csrc/runner/README.md for the interface). A CUDA package calls the indexer's CUDA
+// top-k, dsv4::topk_rows_cuda, a C++ op of dsv4_ops' native library (dsv4_ops/_C*.so) that
+// AOTInductor's proxy executor finds in the dispatcher: the runner dlopens that library before it loads the
 // package (--library, $DSV4_OPS_LIBRARY, or the checkout's beside the runner).
 // Only API present in both torch 2.11 and 2.13 is used:
 //   AOTIModelPackageLoader(path, model_name, run_single_threaded, num_runners, device_index)
@@ -273,8 +273,8 @@ PackageInfo read_info(const std::unordered_map<std::string, std::string>& m, con
       p.chunks.push_back(c);
     }
     if (p.chunks.empty() || p.chunks.back() != p.chunk)
-      runtime_error(model + ": metadata dsv4.prefill_chunks='" + chunks->second + "' does not end at dsv4.prefill_chunk=" +
-                    std::to_string(p.chunk));
+      runtime_error(model + ": metadata dsv4.prefill_chunks='" + chunks->second +
+                    "' does not end at dsv4.prefill_chunk=" + std::to_string(p.chunk));
   }
   p.vocab = meta_int(m, "dsv4.vocab_size", model);
   auto dev = m.find("dsv4.device");

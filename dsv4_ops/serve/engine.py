@@ -7,8 +7,8 @@ Requests join and leave at every ``step()``. One iteration (serving_design.md §
    slot's block-table row at the shared pages;
 2. a **prefill** step for up to ``max_prefill_tokens // prefill_chunk`` requests, a chunk each
    (chunks start at multiples of the chunk, a divisor or a multiple of the page size, or, with a
-   prefix cache, at the prompt's last page boundary, and prefix snapshots sit where chunks end, so a prefix hit and a
-   cold run cut a prompt at the same places);
+   prefix cache, at the prompt's last page boundary, and prefix snapshots sit where chunks end, so
+   a prefix hit and a cold run cut a prompt at the same places);
    a request whose prompt ends samples its first token;
 3. a **decode** step for every request that has one, over slots ``0..bucket-1``; with
    ``spec_steps=k`` a speculative step instead (``spec.py``): the MTP block's ``k`` drafts are
@@ -157,8 +157,8 @@ class Engine:
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"``.
         prefill_chunk: tokens per prefill row per step: a divisor of ``page_size``, or (``spec_steps=0``)
             a multiple of it, which takes a long prompt in fewer, larger steps; chunks then also end at
-            each prompt's last page boundary (with ``prefix_cache``), and prefix hits land on chunk ends only. A step whose
-            chunks are all short runs at a narrower width. Default: the whole pages that fit in 2048
+            each prompt's last page boundary (with ``prefix_cache``), and prefix hits land on chunk ends
+            only. A step whose chunks are all short runs at a narrower width. Default: the whole pages that fit in 2048
             tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
