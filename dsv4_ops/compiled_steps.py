@@ -64,7 +64,9 @@ class CompiledSteps:
         limit = config.recompile_limit  # set and restored directly: config.patch costs ~20 us a call
         config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         try:
-            with torch.no_grad():
+            # eager steps in inference mode: each op call then skips the dispatcher's autograd and
+            # view-tracking layers (Python for custom ops: about half an eager op's host cost)
+            with torch.no_grad() if self.compiled else torch.inference_mode():
                 out = fn(*args, **kwargs)
         finally:
             config.recompile_limit = limit
@@ -80,6 +82,8 @@ class CompiledSteps:
             # count the graphs the call really replayed (not warm-ups, recordings or cudagraph skips)
             self.stats["cuda_graph_replays"] += replays() - replays_before
             self.stats["cuda_graph_recordings"] += recordings() - recordings_before
-            # graph outputs are overwritten by the next replay
+        if self.cuda_graphs or not self.compiled:
+            # graph outputs are overwritten by the next replay; an inference-mode output could not be
+            # updated in place by the caller: both hand back copies
             out = tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
         return out

@@ -95,6 +95,23 @@ def test_prefill_chunks_have_the_same_strides_for_every_prompt_length(model, n_p
     assert args[0] == ((n_prompts, 8), (8, 1))  # bucket = n_prompts (1 or 3)
 
 
+def test_eager_steps_run_in_inference_mode_and_return_tensors_the_caller_may_update(model) -> None:
+    """Eager (``compile=False``) steps run in inference mode, so each op call skips the dispatcher's
+    autograd and view-tracking layers; the logits they return are ordinary tensors (copies), which
+    a caller may update in place."""
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        gen = Generator(model, max_batch_size=1, max_seq_len=MAX_SEQ, compile=False)
+        logits = gen.prefill([[1, 2, 3]])
+        logits = torch.cat([logits, gen.decode(logits.argmax(-1))])
+    finally:
+        hook.remove()
+    assert seen and all(seen)
+    assert not logits.is_inference()
+    logits.mul_(2)  # an inference tensor would raise here
+
+
 def test_stats(model) -> None:
     gen = Generator(model, max_batch_size=2, max_seq_len=32, compile=False, prefill_chunk=8)
     s = gen.stats
