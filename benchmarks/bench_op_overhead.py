@@ -9,8 +9,9 @@ launch metadata, allocations and launches. Three entries per op:
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
 ``route`` is the path the op takes for these inputs (static: device, dtypes, shapes). Calls run under
-``torch.no_grad()``, as ``Generator``'s eager steps do; ``--grad-mode inference_mode`` also skips the
-custom ops' Python autograd and ADInplaceOrView layers.
+``torch.inference_mode()``, as ``Generator``'s and ``Engine``'s eager steps do (it skips the custom
+ops' Python autograd and ADInplaceOrView layers); ``--grad-mode no_grad`` is what a model called
+under ``torch.no_grad()`` (HF's ``generate`` after ``hf.enable``, eager) pays.
 
 Host time: ``--calls`` calls back to back timed with ``time.perf_counter``, median over
 ``--repeats`` runs, after warm-up, and beside it the process's CPU time (``time.process_time``), which
@@ -331,14 +332,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch's intra-op threads (0: torch's default). Tiny ops gain nothing from them, and on a "
                         "shared CPU their spin-waits swamp the timings")
-    p.add_argument("--grad-mode", default="no_grad", choices=("no_grad", "inference_mode", "enabled"))
+    p.add_argument("--grad-mode", default="inference_mode", choices=("no_grad", "inference_mode", "enabled"))
     p.add_argument("--calls", type=int, default=200, help="calls per timed run")
     p.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
     p.add_argument("--breakdown", type=int, default=3, help="profile the N slowest rows (0: none)")
     p.add_argument("--out", default=None, help="write the JSON here")
     args = p.parse_args(argv)
-    # no_grad: what Generator's eager steps run under; inference_mode also skips the custom ops'
-    # Python autograd and ADInplaceOrView layers
+    # inference_mode: what Generator's eager steps run under; no_grad also runs the custom ops' Python
+    # autograd and ADInplaceOrView layers
     grad_mode = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "enabled": torch.enable_grad}
     with grad_mode[args.grad_mode]():
         result = run(args)
