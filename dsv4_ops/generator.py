@@ -39,7 +39,9 @@ class Generator(GenerationLoop):
         max_batch_size: most prompts per ``prefill`` call.
         max_seq_len: most tokens (prompt + generated) per request.
         spec_steps: MTP draft tokens per step (0 = plain decode).
-        compile: ``torch.compile(fullgraph=True)`` the model's step (a bool).
+        compile: ``torch.compile(fullgraph=True)`` the model's step (a bool). Without it the steps run
+            eagerly in ``torch.inference_mode()`` (tensors a forward hook keeps from them are inference
+            tensors: use them under ``no_grad``); the returned logits are ordinary tensors.
         cuda_graphs: replay the compiled steps as CUDA graphs (None = on when compiling a CUDA model).
         prefill_chunk: tokens per row per prefill step. None (the default): chunk buckets, the
             chunk sizes ``64, 256, 1024, 2048`` (each capped at ``max_seq_len``), one compiled

@@ -40,8 +40,9 @@ class StepLog:
         tokens, counts = self._inner(active, *sampling)
         rec = dict(active=active.clone().bool(), before=before, after=gen.lengths[:Bk].clone(), tokens=tokens.clone(),
                    counts=counts.clone(), last_tok=spec.last_tok[:Bk].clone(), drafts=spec.drafts[:Bk].clone())
-        if self._hidden:  # one [Bk, 1, D] hidden state per draft
-            rec["draft_logits"] = torch.stack([gen.model.lm_head(h).float()[:, 0] for h in self._hidden], dim=1)
+        if self._hidden:  # one [Bk, 1, D] hidden state per draft (inference tensors of an eager step: no autograd)
+            with torch.no_grad():
+                rec["draft_logits"] = torch.stack([gen.model.lm_head(h).float()[:, 0] for h in self._hidden], dim=1)
         self.steps.append(rec)
         if self.after_step is not None:
             self.after_step(self, rec)
