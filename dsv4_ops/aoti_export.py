@@ -21,8 +21,8 @@ window ring, compressor-input rings and pools, flattened in the order ``dsv4.cac
 ``lengths += n_new``, and the speculative state): the state is allocated once by the caller
 (zeros) and passed to every program, so they share it. A row with ``n_new == 0`` (``active ==
 0``) is padding. Every model's metadata carries ``dsv4.format``, ``dsv4.max_batch_size``,
-``dsv4.max_seq_len``, ``dsv4.prefill_chunk``, ``dsv4.prefill_chunks``, ``dsv4.vocab_size``, ``dsv4.spec_steps``,
-``dsv4.device``, ``dsv4.cache`` (``"dtype:d0xd1x..;..."``) and, for ``k > 0``,
+``dsv4.max_seq_len``, ``dsv4.prefill_chunk``, ``dsv4.prefill_chunks``, ``dsv4.vocab_size``,
+``dsv4.spec_steps``, ``dsv4.device``, ``dsv4.cache`` (``"dtype:d0xd1x..;..."``) and, for ``k > 0``,
 ``dsv4.mtp_cache`` and ``dsv4.h_last``. The weights are compiled into each program.
 
 The exported graphs mutate whole input tensors (never views), so Inductor writes the pool in
@@ -38,7 +38,6 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from typing import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +133,7 @@ class _SpecStep(_SpecProgram):
 
 
 def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len: int = 4096, spec_steps: int = 0,
-           prefill_chunk: int | Sequence[int] | None = None, *, verbose: bool = True,
+           prefill_chunk: int | list[int] | tuple[int, ...] | None = None, *, verbose: bool = True,
            kv_cache_dtype: str = "auto") -> str:
     """Export ``model`` (a ``dsv4_ops.DeepseekV4ForCausalLM``, on the device the package will run
     on) as ONE ``.pt2`` package (see the module docstring) for batches of up to
@@ -192,7 +191,8 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     cached = _CachedStep(model, layout, rings)
 
     def chunk_args(C: int) -> tuple[Tensor, Tensor]:  # a chunk's ids and n_new
-        return torch.zeros(B, C, dtype=torch.long, device=device), torch.full((B,), C, dtype=torch.int32, device=device)
+        ids = torch.zeros(B, C, dtype=torch.long, device=device)
+        return ids, torch.full((B,), C, dtype=torch.int32, device=device)
 
     programs = {prefill_program("prefill", C, chunks): (cached, (*chunk_args(C), lengths, cache)) for C in chunks}
     programs["decode"] = (cached, (torch.zeros(B, dtype=torch.long, device=device), ones, lengths, cache))

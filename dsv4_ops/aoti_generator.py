@@ -74,8 +74,8 @@ class AOTIGenerator(GenerationLoop):
         self.metadata = meta = self._metadata(path)
         self.max_batch_size = int(meta["dsv4.max_batch_size"])
         self.max_seq_len = int(meta["dsv4.max_seq_len"])
-        self.prefill_chunk = int(meta["dsv4.prefill_chunk"])
         self.prefill_chunks = prefill_chunks(meta)  # a step runs the smallest that holds its rows' tokens
+        self.prefill_chunk = self.prefill_chunks[-1]
         self.vocab_size = int(meta["dsv4.vocab_size"])
         self.spec_steps = int(meta["dsv4.spec_steps"])
         self.kv_cache_dtype = meta.get("dsv4.kv_cache_dtype", "auto")  # fixed at export (its pool layout)

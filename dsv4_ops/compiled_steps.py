@@ -42,8 +42,8 @@ def compile_step(fn, cuda_graphs: bool, pdl: bool = False):
 
 class CompiledSteps:
     """Runs step functions and adds to ``stats`` (a dict with ``graph_breaks``, ``recompiles``,
-    ``compile_time_s``, ``cuda_graph_replays``, ``cuda_graph_recordings``). ``graphs[key]`` counts the graphs compiled per key;
-    ``recompiles`` is every graph past a key's first; ``keys`` is every key run so far (compiled
+    ``compile_time_s``, ``cuda_graph_replays``, ``cuda_graph_recordings``). ``graphs[key]`` counts
+    the graphs compiled per key; ``recompiles`` is every graph past a key's first; ``keys`` is every key run so far (compiled
     or not: the shapes a warm-up has covered)."""
 
     def __init__(self, stats: dict, compiled: bool, cuda_graphs: bool, device: torch.device) -> None:

@@ -7,8 +7,9 @@ recorded graph is replayed is ``CUDAGraphNode.run`` (recording runs ``run_first_
 :func:`install` wraps that method to count its calls in ``torch._dynamo.utils.counters["inductor"]``
 under ``cudagraph_replays``, and ``CUDAGraphTreeManager.record_function`` (every recording) under
 ``cudagraph_recordings``: a recording after warm-up is a stall a serving loop must not have.
-Read-only: the wrappers only count, then call the originals. Nothing is patched at import: the first generator that replays CUDA graphs installs it (``Generator``),
-and so may a caller that wants the count (tests, benchmarks).
+Read-only: the wrappers only count, then call the originals. Nothing is patched at import: the
+first generator that replays CUDA graphs installs them (``Generator``), and so may a caller that
+wants the counts (tests, benchmarks).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
 // smaller chunk size of dsv4.prefill_chunks, and "decode", whose metadata carries the dsv4.* keys
 // (see csrc/runner/README.md for the interface). A CUDA package calls the indexer's CUDA
 // top-k, dsv4::topk_rows_cuda, a C++ op of dsv4_ops' native library (dsv4_ops/_C*.so) that
-// AOTInductor's proxy executor finds in the dispatcher: the runner dlopens that library before it loads the
-// package (--library, $DSV4_OPS_LIBRARY, or the checkout's beside the runner).
+// AOTInductor's proxy executor finds in the dispatcher: the runner dlopens that library before
+// it loads the package (--library, $DSV4_OPS_LIBRARY, or the checkout's beside the runner).
 // Only API present in both torch 2.11 and 2.13 is used:
 //   AOTIModelPackageLoader(path, model_name, run_single_threaded, num_runners, device_index)
 //   loader.run(inputs, stream_handle), loader.get_metadata()
@@ -66,8 +66,8 @@ const char* kHelp =
     "usage: dsv4_run MODEL.pt2 --prompt IDS [--prompt IDS ...] [--max-new-tokens N]\n"
     "                [--quiet] [--no-cuda-graph] [--library PATH ...]\n"
     "\n"
-    "Loads the \"prefill\" and \"decode\" AOTInductor models of a dsv4 package, prefills\n"
-    "every prompt as one batch and decodes greedily.\n"
+    "Loads the prefill models (one per chunk size) and the \"decode\" model of a dsv4\n"
+    "package, prefills every prompt as one batch and decodes greedily.\n"
     "\n"
     "  MODEL.pt2            AOTInductor package written by the dsv4 exporter\n"
     "  --prompt IDS         comma-separated token ids, e.g. 1,2,3 (repeat for a batch;\n"
@@ -487,13 +487,10 @@ int run_main(const Options& o) {
 
   // one prefill model per chunk size: a step runs the smallest that holds the longest remaining part of any
   // row (as dsv4_ops' chunk_schedule), so a short prompt does not pay for the largest chunk
-  std::map<int64_t, torch::inductor::AOTIModelPackageLoader*> prefills{{info.chunk, prefill.get()}};
-  std::vector<std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> smaller;
+  std::map<int64_t, std::unique_ptr<torch::inductor::AOTIModelPackageLoader>> prefills;
+  prefills[info.chunk] = std::move(prefill);
   for (int64_t c : info.chunks)
-    if (c != info.chunk) {
-      smaller.push_back(load_model(o.model, "prefill_" + std::to_string(c), false, dev_index, native));
-      prefills[c] = smaller.back().get();
-    }
+    if (c != info.chunk) prefills[c] = load_model(o.model, "prefill_" + std::to_string(c), false, dev_index, native);
   const int64_t B = info.max_batch;
   const c10::Device device = on_cuda ? c10::Device(c10::kCUDA, dev_index) : c10::Device(c10::kCPU);
   auto sync = [&]() {

@@ -158,8 +158,8 @@ class Engine:
         prefill_chunk: tokens per prefill row per step: a divisor of ``page_size``, or (``spec_steps=0``)
             a multiple of it, which takes a long prompt in fewer, larger steps; chunks then also end at
             each prompt's last page boundary (with ``prefix_cache``), and prefix hits land on chunk ends
-            only. A step whose chunks are all short runs at a narrower width. Default: the whole pages that fit in 2048
-            tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
+            only. A step whose chunks are all short runs at a narrower width. Default: the whole pages
+            that fit in 2048 tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
@@ -485,20 +485,17 @@ class Engine:
         state) and its block-table row; the tokens are unchanged. Returns the moves ``(from, to)``."""
         running = sum(r is not None for r in self._slots)
         bucket = next((b for b in self.decode_buckets if b >= running), 0)
-        free = [i for i in range(bucket) if self._slots[i] is None]
-        moves = []
-        for src in range(bucket, self.max_running):
+        high = [s for s in range(bucket, self.max_running) if self._slots[s] is not None]
+        free = (i for i in range(bucket) if self._slots[i] is None)  # as many as `high` (running <= bucket)
+        moves = list(zip(high, free))
+        for src, dst in moves:
             req = self._slots[src]
-            if req is None:
-                continue
-            dst = free.pop(0)
             for t in self._per_slot:
                 t[dst].copy_(t[src])
             self._block_table[dst] = self._block_table[src]
             self._block_table[src].zero_()
             self._slots[dst], self._slots[src], req.slot = req, None, dst
             self._table_dirty = True
-            moves.append((src, dst))
         self._stats["slot_moves"] += len(moves)
         return moves
 
