@@ -156,7 +156,7 @@ def export(model, path: str | os.PathLike, max_batch_size: int = 4, max_seq_len:
     if prefill_chunk is None:  # Generator's chunk buckets for a step of B rows
         chunks = chunks_within(chunk_buckets(max_seq_len), DEFAULT_MAX_PREFILL_TOKENS, max_batch_size)
     else:
-        chunks = [prefill_chunk] if isinstance(prefill_chunk, int) else list(prefill_chunk)
+        chunks = list(prefill_chunk) if isinstance(prefill_chunk, (list, tuple)) else [prefill_chunk]
         if not chunks:
             raise ValueError("export: prefill_chunk must be a positive int or a non-empty list of them, got []")
         for c in chunks:

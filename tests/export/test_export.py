@@ -219,4 +219,7 @@ def test_export_rejects_bad_arguments(tiny_model, tmp_path) -> None:
         dsv4_ops.export(tiny_model, tmp_path / "m.pt2", max_batch_size=0)
     with pytest.raises(ValueError, match="spec_steps must be an int >= 0, got -1"):
         dsv4_ops.export(tiny_model, tmp_path / "m.pt2", spec_steps=-1)
+    for chunk in (2.5, "16", [16, 0], []):
+        with pytest.raises(ValueError, match="export: prefill_chunk must be"):
+            dsv4_ops.export(tiny_model, tmp_path / "m.pt2", prefill_chunk=chunk)
     assert not os.path.exists(tmp_path / "m.pt2")
