@@ -257,7 +257,7 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
     decode row per context, each tagged with the cache dtype."""
     dev = model.device
     prompt_len = args.prefill_len if batch == 1 else max(args.prefill_len // 4, 1)
-    chunk = args.prefill_chunk or (512 if batch == 1 else 64)
+    chunk = (512 if batch == 1 else 64) if args.prefill_chunk is None else args.prefill_chunk or None
     max_seq_len = max(contexts + [prompt_len]) + DECODE_SLACK
     rng = torch.Generator().manual_seed(1000 + batch)
 
@@ -275,7 +275,7 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
     t = time_call(lambda: engine.prefill(p), dev, warmup=1, iters=args.prefill_samples, sync_each=True)
     prefill = dict(mode=mode, batch=batch, prompt=prompt_len, chunk=chunk, ms=t.ms, samples=t.samples,
                    method=t.method, tokens_per_s=batch * prompt_len / t.ms * 1e3, first_call_s=first, **setup)
-    log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {chunk}): {prefill['tokens_per_s']:.0f} tok/s "
+    log(f"  {mode} prefill B={batch} x {prompt_len} (chunk {chunk or 'buckets'}): {prefill['tokens_per_s']:.0f} tok/s "
         f"({t.ms:.1f} ms, median of {t.samples}; first call {first:.1f} s)")
     prefills = [prefill]
     for other_chunk in args.extra_prefill_chunks if mode != "aoti" else ():
@@ -388,7 +388,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-iters", type=int, default=6)
     ap.add_argument("--prefill-len", type=int, default=None,
                     help="prefill prompt tokens at batch 1 (a quarter of it per row at batch > 1; default 4096)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: 512 at batch 1, else 64")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: 512 at batch 1, else 64; 0: the library's default, chunk buckets")
     ap.add_argument("--extra-prefill-chunks", type=int, nargs="*", default=[],
                     help="also time the prefill with these chunk sizes (a Generator each; 0 = the default, "
                          "chunk buckets; e.g. 0 64)")

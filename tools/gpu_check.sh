@@ -103,7 +103,7 @@ for what in "$@"; do
     hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
       pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
-      { LD_PRELOAD=$pre python3 benchmarks/bench_model.py --aoti --batches 1 --contexts 4096 --aoti-dir /tmp/dsv4_aoti \
+      { LD_PRELOAD=$pre python3 benchmarks/bench_model.py --aoti --batches 1 --contexts 4096 --prefill-chunk 0 --aoti-dir /tmp/dsv4_aoti \
           --out "$OUT/bench_aoti.json" &&
         make -s runner RUNNER_PY=python3 &&
         prompt=$(python3 -c "print(','.join(str(i % 1000) for i in range(4096)))") &&
