@@ -40,7 +40,11 @@ def _sparse_attention(
     torch._check(kv8 or cmp8 or kv.dtype == cmp.dtype,
                  lambda: f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
     if use_triton(q) and sm90.applies(q, kv, kv_idx, cmp, cmp_idx, cmp_len, block_table):
-        return torch.ops.dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale)
+        picks = -1
+        if paged:
+            picks = cmp_idx.shape[-1]
+            cmp_idx, cmp_len = sm90.paged_entries(cmp, cmp_idx, cmp_len, block_table)
+        return torch.ops.dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, picks)
     if use_triton(q):
         launches = sa.attention_launches(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, block_table=block_table)
         main, combine = launches.attention, launches.combine

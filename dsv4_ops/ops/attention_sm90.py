@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..lowering.triton.launch import capability, device_index
+from ..reference import ops as ref
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
@@ -56,13 +57,15 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
             block_table: Tensor | None = None) -> bool:
     """Static: the route is a function of devices, dtypes, shapes and strides, never of values.
 
-    A paged pool (``block_table``) keeps the Triton kernel: the Gluon producers gather a row's
-    entries from one base pointer, and reading pages through the block table there (one more
-    dependent load in front of every row copy) is untested without an sm_90 GPU to time it."""
+    A paged pool (``block_table``) is read as the pages seen as one row that every query shares, its
+    entries translated to physical ones first (:func:`paged_entries`): the kernels gather from one base
+    pointer, and a page lookup in front of every row copy would be one more dependent load there."""
     if not (_enabled and q.device.type == "cuda" and not torch.compiler.is_exporting() and gluon_available()):
         return False
     if block_table is not None:
-        return False
+        if cmp.shape[0] * cmp.shape[1] == 0 or (cmp.dtype != torch.uint8 and not _pages_form_one_row(cmp)):
+            return False
+        cmp = shared_rows(cmp, q.shape[0])
     B, S, H, D = q.shape
     if not (S == 1 and H == 64 and D == 512 and q.dtype == torch.bfloat16 and B > 0
             and kv_idx.dtype == cmp_idx.dtype == cmp_len.dtype == torch.int32
@@ -76,19 +79,50 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
             and kv.shape[1] + cmp.shape[1] > 0)
 
 
+def _pages_form_one_row(pages: Tensor) -> bool:
+    return pages.stride(0) == pages.shape[1] * pages.stride(1)
+
+
+def shared_rows(pages: Tensor, B: int) -> Tensor:
+    """A paged pool's pages ``[num_pages, page, ...]`` as the per-row cache layout the kernels take, one row that
+    all ``B`` queries share (stride 0): float ``[B, num_pages * page, D]``, FP8 ``[B, num_pages, page, bytes]``."""
+    rows = pages.unsqueeze(0) if pages.dtype == torch.uint8 else pages.flatten(0, 1).unsqueeze(0)
+    return rows.expand(B, *rows.shape[1:])
+
+
+def paged_entries(pages: Tensor, cmp_idx: Tensor, cmp_len: Tensor, block_table: Tensor) -> tuple[Tensor, Tensor]:
+    """``(entries, cmp_len)``: the picks ``cmp_idx [B, S, K]`` and the dense prefix of ``cmp_len`` rows of each
+    row's pages (``block_table [B, P]``) as physical entries of the pages seen as one row (-1: skipped),
+    ``[B, S, K + P * page]`` int32: K picks, then the prefix, listed (the kernels read the prefix through the
+    list, to ``cmp_len`` entries); ``cmp_len`` clamped to ``[0, P * page]``. A few elementwise ops that the
+    compiled step fuses into one kernel."""
+    B, S, _ = cmp_idx.shape
+    n = block_table.shape[1] * pages.shape[1]
+    clen = cmp_len.clamp(0, n)
+    rows = torch.arange(n, dtype=torch.int32, device=cmp_idx.device).expand(B, S, n)
+    logical = torch.cat([cmp_idx, torch.where(rows < clen[..., None], rows, -1)], dim=-1)
+    return ref.physical_entries(logical, block_table, pages).to(torch.int32), clen
+
+
 @torch.library.custom_op("dsv4::sparse_attention_sm90", mutates_args=(), device_types="cuda")
 def sparse_attention_sm90(
     q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor, sink: Tensor, scale: float,
+    picks: int = -1,
 ) -> Tensor:
+    """``picks`` -1: ``cmp`` holds the rows of the ``B`` queries and ``cmp_idx`` lists picks; else ``cmp`` is a
+    paged pool's pages and ``cmp_idx`` lists ``picks`` picks, then the dense prefix (:func:`paged_entries`)."""
     stats["launches"] += 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kw = dict(out=out)
+    if picks >= 0:  # the view is taken here, not in the graph, where a compiler could materialise it
+        cmp, kw["picks"] = shared_rows(cmp, q.shape[0]), picks
     if _fp8_caches(kv, cmp):
         from ..lowering.gluon.sparse_attention_fp8 import sparse_attention_gluon_fp8
-        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+        return sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, **kw)
     from ..lowering.gluon.sparse_attention import sparse_attention_gluon
-    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, out=out)
+    return sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, **kw)
 
 
 @sparse_attention_sm90.register_fake
-def _(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale):
+def _(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, picks=-1):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -26,20 +26,23 @@ COMBINE_WARPS = 4
 
 
 @gluon.jit
-def load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k):
-    """The load half of an entry's row index: one load a lane (kv_idx or cmp_idx; -1 in the dense
-    prefix), completed by ``pick_entry_index``. The kernels issue these loads a block ahead and
-    pick once that block comes round: a select right behind the loads would wait out their latency."""
+def load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k):
+    """The load half of an entry's row index: one load a lane (kv_idx or the ``L`` entries of cmp_idx;
+    -1 in an unlisted dense prefix), completed by ``pick_entry_index``. The kernels issue these loads a
+    block ahead and pick once that block comes round: a select right behind the loads would wait out
+    their latency."""
     in_w = v < W
-    listed = v < W + K
+    listed = v < W + L
     ptr = gl.where(in_w, widx_row + v * swi_w, cidx_row + (v - W) * sci_k)
     return gl.load(ptr, mask=listed, other=-1)
 
 
 @gluon.jit
-def pick_entry_index(v, loaded, W, K):
-    """Row index of entries ``v`` from their loads (``load_entry_index``): the listed index, or the dense prefix's row."""
-    return gl.where(v < W + K, loaded, v - W - K)
+def pick_entry_index(v, loaded, W, K, L):
+    """Row index of entries ``v`` from their loads (``load_entry_index``): the listed index, or the dense prefix's
+    row. cmp_idx lists ``L >= K`` entries: the ``K`` picks, then (``L > K``, a paged pool's) the dense prefix's
+    rows, so that the prefix follows the block table."""
+    return gl.where(v < W + L, loaded, v - W - K)
 
 
 @gluon.jit
@@ -120,21 +123,27 @@ def check_decode(name: str, q, kv_idx, cmp_idx, cmp_len, sink) -> None:
 
 
 def decode_launches(name, kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, n_kv, n_cmp,
-                    num_splits=None, out=None):
+                    num_splits=None, out=None, picks=None):
     """(out, [(kernel, grid, args, meta), ...]) of one decode call: ``kernel`` with ``meta`` on a ``(B, splits)``
     grid and, when split, ``combine_kernel``. ``n_kv`` / ``n_cmp``: the window's and the pool's rows (``kv``,
-    ``cmp``: valid pointers even when empty). Splits: the Triton kernel's rule, planned for its entries (window +
-    picks, or the whole pool) unless ``num_splits`` is given."""
+    ``cmp``: valid pointers even when empty). ``picks``: how many of cmp_idx's entries are picks (None: all); the
+    rest list the dense prefix's rows (a paged pool: ``dsv4_ops.ops.attention_sm90.paged_entries``). Splits: the
+    Triton kernel's rule, planned for its entries (window + picks, or the dense prefix) unless ``num_splits`` is
+    given."""
     if n_kv == 0 and n_cmp == 0:
         raise ValueError(f"{name}: kv and cmp are both empty (no rows to attend to)")
     B, _, H, D = q.shape
-    W, K = kv_idx.shape[-1], cmp_idx.shape[-1]
-    # an empty index list is never read but needs a valid pointer; its length (W or K = 0) is what the kernel reads
+    W, L = kv_idx.shape[-1], cmp_idx.shape[-1]
+    K = L if picks is None else picks
+    if not 0 <= K <= L:
+        raise ValueError(f"{name}: picks must be in [0, {L}] (cmp_idx's entries), got {picks}")
+    dense_rows = n_cmp if picks is None else L - K
+    # an empty index list is never read but needs a valid pointer; its length (W or L = 0) is what the kernel reads
     if W == 0:
         kv_idx = cmp_len[..., None]
-    if K == 0:
+    if L == 0:
         cmp_idx = cmp_len[..., None]
-    splits = attention_config(B, 1, BLOCK_H, HEAD_DIM, W + (K if K else n_cmp), sm_count(q.device),
+    splits = attention_config(B, 1, BLOCK_H, HEAD_DIM, W + (K if K else dense_rows), sm_count(q.device),
                               num_splits)["NUM_SPLITS"]
     if out is None:
         out = torch.empty_like(q)
@@ -147,7 +156,7 @@ def decode_launches(name, kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len, si
     else:
         part_m = part_l = part_acc = out  # unused
     args = (q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, out, part_m, part_l, part_acc, float(scale) * LOG2E,
-            n_kv if W else 0, n_cmp, W, K,
+            n_kv if W else 0, n_cmp, W, K, L,
             q.stride(0), q.stride(2), kv.stride(0), kv.stride(1), kv_idx.stride(0), kv_idx.stride(2),
             cmp.stride(0), cmp.stride(1), cmp_idx.stride(0), cmp_idx.stride(2), cmp_len.stride(0),
             out.stride(0), out.stride(2))

@@ -49,7 +49,7 @@ def mma_buffers(BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.con
 
 @gluon.jit
 def scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
-           cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+           cmp_len_row, pid_sp, scale_log2e, W, K, L, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
            sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
            D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
            NUM_SPLITS: gl.constexpr):
@@ -74,7 +74,7 @@ def scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, 
 
     offs_n = gl.arange(0, BLOCK_N, layout=col_l)
     v = lo + offs_n
-    loaded = load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    loaded = load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, HALF], gl.float32, o_l))
@@ -82,9 +82,9 @@ def scorer(q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, 
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         pb = j % 2
-        bias = gl.where(valid_entries(v, pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP), 0.0, float("-inf"))
+        bias = gl.where(valid_entries(v, pick_entry_index(v, loaded, W, K, L), hi, W, N_KV, N_CMP), 0.0, float("-inf"))
         v = v + BLOCK_N
-        loaded = load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        loaded = load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k)
         mbarrier.wait(full.index(slot), (j // NUM_STAGES) & 1)
         fence_async_shared()  # the rows' writes (generic proxy) before the wgmma reads (async proxy)
         s = warpgroup_mma(q_smem, ring.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)

@@ -23,7 +23,7 @@ HELPER_REGS = 176  # its half of the accumulator is 128 fp32 registers a thread;
 
 
 @gluon.jit
-def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
+def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, L, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
               widx_row, swi_w, cidx_row, sci_k,
               D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr):
     """Gather every block's rows into the ring, ``NUM_STAGES`` blocks ahead at most. The next block's row indices
@@ -34,15 +34,15 @@ def _producer(ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0
     gather_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, gather_l))
     v_next = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gather_l))
-    loaded_next = load_entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
+    loaded_next = load_entry_index(v_next, W, L, widx_row, swi_w, cidx_row, sci_k)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         v = v_next
         loaded = loaded_next
         v_next = v + BLOCK_N
         # in flight from here to the next iteration's pick (picking right behind the loads would wait for them)
-        loaded_next = load_entry_index(v_next, W, K, widx_row, swi_w, cidx_row, sci_k)
-        idx = pick_entry_index(v, loaded, W, K)
+        loaded_next = load_entry_index(v_next, W, L, widx_row, swi_w, cidx_row, sci_k)
+        idx = pick_entry_index(v, loaded, W, K, L)
         valid = valid_entries(v, idx, hi, W, N_KV, N_CMP)
         idx64 = gl.where(valid, idx, 0).to(gl.int64)
         row = gl.where(v < W, kv_row0 + idx64 * skv_n, cmp_row0 + idx64 * sc_n)
@@ -57,7 +57,7 @@ def sparse_attention_gluon_ws_kernel(
     q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     scale_log2e,
-    N_KV, N_CMP, W, K,
+    N_KV, N_CMP, W, K, L,
     sq_b, sq_h,
     skv_b, skv_n,
     swi_b, swi_w,
@@ -105,13 +105,13 @@ def sparse_attention_gluon_ws_kernel(
 
     gl.warp_specialize([
         (scorer, (q_row, sq_h, q_smem, ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree, done,
-                  cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+                  cmp_len_row, pid_sp, scale_log2e, W, K, L, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
         (helper, (q_smem, ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp, N_CMP, W, K,
                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                   D, BLOCK_H, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
-        (_producer, (ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
+        (_producer, (ring, full, empty, cmp_len_row, pid_sp, W, K, L, N_KV, N_CMP, kv_row0, skv_n, cmp_row0, sc_n,
                      widx_row, swi_w, cidx_row, sci_k, D, BLOCK_N, NUM_STAGES, NUM_SPLITS)),
     ], [4, PRODUCER_WARPS], [HELPER_REGS, PRODUCER_REGS])
 
@@ -125,7 +125,7 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink):
                              "(FP8 pages: lowering.gluon.sparse_attention_fp8)")
 
 
-def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, out=None):
+def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, out=None, picks=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split, ``combine_kernel``;
     the cross-compile tests compile these without a GPU."""
     _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
@@ -139,11 +139,11 @@ def gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=N
     meta = dict(BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
                 HELPER_REGS=HELPER_REGS, num_warps=NUM_WARPS)
     return decode_launches(NAME, sparse_attention_gluon_ws_kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len,
-                           sink.contiguous(), scale, n_kv, n_cmp, num_splits, out)
+                           sink.contiguous(), scale, n_kv, n_cmp, num_splits, out, picks)
 
 
 def sparse_attention_gluon(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                           out=None) -> torch.Tensor:
+                           out=None, picks=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode at V4's widths (``BLOCK_H`` heads of
-    ``HEAD_DIM``, one query token, bf16 caches); ValueError for anything else."""
-    return run(*gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, out))
+    ``HEAD_DIM``, one query token, bf16 caches); ValueError for anything else. ``picks``: ``common.decode_launches``."""
+    return run(*gluon_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, out, picks))

@@ -136,13 +136,13 @@ def _codes_3d_layout(block_n):
 
 
 @gluon.jit
-def _issue_rows(codes_buf, rope_buf, scl_buf, v, loaded, hi, W, K, N_KV, N_CMP, kv_row0, cmp_row0,
+def _issue_rows(codes_buf, rope_buf, scl_buf, v, loaded, hi, W, K, L, N_KV, N_CMP, kv_row0, cmp_row0,
                 FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
                 DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, row_l: gl.constexpr):
     """cp.async the raw entries of ``v`` (codes, rope, scales; lanes not copied: zeros, no memory read) into one
     ring slot, the rows' indices, addresses and masks computed one row a lane (``v``, ``loaded``:
     ``SliceLayout(1, row_l)``), the scale bytes copied from there, the codes and rope by the row's warp."""
-    data, scl, lane8 = _entry_pointers(v, pick_entry_index(v, loaded, W, K), hi, W, N_KV, N_CMP, kv_row0,
+    data, scl, lane8 = _entry_pointers(v, pick_entry_index(v, loaded, W, K, L), hi, W, N_KV, N_CMP, kv_row0,
                                        cmp_row0, FP8, KV_PAGE, CMP_PAGE, DATA_BYTES, SCALE_BYTES)
     _copy_scale_bytes(scl_buf, scl, lane8, row_l, SCALE_BYTES)
     _copy_data_bytes(codes_buf, rope_buf, data, lane8, NOPE)
@@ -215,7 +215,7 @@ def _decode_with_window(codes_buf, rope_buf, scl_buf, e_buf, start, W, widx_row,
 
 
 @gluon.jit
-def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
+def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, L, N_KV, N_CMP,
              kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k,
              FP8: gl.constexpr, KV_PAGE: gl.constexpr, CMP_PAGE: gl.constexpr, NOPE: gl.constexpr,
              DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -227,13 +227,13 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
     row_l: gl.constexpr = _row_lane_layout(BLOCK_N, gl.num_warps(), SCALE_BYTES)
     L3: gl.constexpr = gl.BlockedLayout([1, 8, 8], [4, 1, 8], [gl.num_warps(), 1, 1], [2, 1, 0])
     v = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, row_l))
-    loaded = load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+    loaded = load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k)
     for st in gl.static_range(NUM_STAGES):
-        _issue_rows(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, loaded, hi, W, K, N_KV,
+        _issue_rows(codes_ring.index(st), rope_ring.index(st), scl_ring.index(st), v, loaded, hi, W, K, L, N_KV,
                     N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
-        loaded = load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)
+        loaded = load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k)
     for j in range(n_blocks):
         slot = j % NUM_STAGES
         eslot = j % E_STAGES
@@ -255,11 +255,11 @@ def _decoder(codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, 
         fence_async_shared()  # the decoded rows (plain stores) visible to the wgmma (async proxy) ...
         gl.thread_barrier()  # ... every decoder thread's; all done reading byte slot `slot`
         mbarrier.arrive(full.index(eslot))
-        _issue_rows(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, loaded, hi, W, K, N_KV,
+        _issue_rows(codes_ring.index(slot), rope_ring.index(slot), scl_ring.index(slot), v, loaded, hi, W, K, L, N_KV,
                     N_CMP, kv_row0, cmp_row0, FP8, KV_PAGE, CMP_PAGE, NOPE, DATA_BYTES, SCALE_BYTES, row_l)
         cp.commit_group()
         v = v + BLOCK_N
-        loaded = load_entry_index(v, W, K, widx_row, swi_w, cidx_row, sci_k)  # in flight through the next decode
+        loaded = load_entry_index(v, W, L, widx_row, swi_w, cidx_row, sci_k)  # in flight through the next decode
     cp.wait_group(0)  # no copy may outlive the program's shared memory
 
 
@@ -268,7 +268,7 @@ def sparse_attention_gluon_fp8_ws_kernel(
     q_ptr, kv_ptr, kv_idx_ptr, cmp_ptr, cmp_idx_ptr, cmp_len_ptr, sink_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     scale_log2e,
-    N_KV, N_CMP, W, K,
+    N_KV, N_CMP, W, K, L,
     sq_b, sq_h,
     skv_b, skv_n,
     swi_b, swi_w,
@@ -330,13 +330,13 @@ def sparse_attention_gluon_fp8_ws_kernel(
 
     gl.warp_specialize([
         (scorer, (q_ptr + b * sq_b, sq_h, q_smem, e_ring, p_smem, alpha_smem, ml_smem, full, empty, pfull, pfree,
-                  done, cmp_len_row, pid_sp, scale_log2e, W, K, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
+                  done, cmp_len_row, pid_sp, scale_log2e, W, K, L, N_KV, N_CMP, widx_row, swi_w, cidx_row, sci_k,
                   sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
         (helper, (q_smem, e_ring, p_smem, alpha_smem, ml_smem, empty, pfull, pfree, done, cmp_len_row, pid_sp,
                   N_CMP, W, K, sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, b, pid_t, so_b, so_h,
                   D, BLOCK_H, BLOCK_N, E_STAGES, NUM_SPLITS)),
-        (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, N_KV, N_CMP,
+        (_decoder, (codes_ring, rope_ring, scl_ring, e_ring, full, empty, cmp_len_row, pid_sp, W, K, L, N_KV, N_CMP,
                     kv_row0, skv_n, cmp_row0, widx_row, swi_w, cidx_row, sci_k, FP8, KV_PAGE, CMP_PAGE, NOPE,
                     DATA_BYTES, SCALE_BYTES, BLOCK_N, NUM_STAGES, E_STAGES, DECODE_ROWS, NUM_SPLITS)),
     ], [4, DECODER_WARPS], [HELPER_REGS, DECODER_REGS])
@@ -398,7 +398,7 @@ def _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink=None):
     return fp8
 
 
-def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, out=None):
+def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, out=None, picks=None):
     """(out, [(kernel, grid, args, meta), ...]) of one call: the attention and, when split, ``combine_kernel``;
     the cross-compile tests compile these without a GPU."""
     fp8 = _check(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink)
@@ -425,11 +425,12 @@ def gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_spli
                 SCALE_BYTES=SCALE_BYTES, DECODE_ROWS=DECODE_ROWS, DECODER_WARPS=DECODER_WARPS,
                 DECODER_REGS=DECODER_REGS, HELPER_REGS=HELPER_REGS, num_warps=NUM_WARPS)
     return decode_launches(NAME, sparse_attention_gluon_fp8_ws_kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len,
-                           sink.contiguous(), scale, n_kv, n_cmp, num_splits, out)
+                           sink.contiguous(), scale, n_kv, n_cmp, num_splits, out, picks)
 
 
 def sparse_attention_gluon_fp8(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits=None, *,
-                               out=None) -> torch.Tensor:
+                               out=None, picks=None) -> torch.Tensor:
     """``lowering.triton.sparse_attention.sparse_attention`` for bf16 decode over FP8 caches at V4's widths (FP8
-    mode 2: FP8 window and pool pages, mode 1: bf16 window rows and an FP8 pool); ValueError for anything else."""
-    return run(*gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, out))
+    mode 2: FP8 window and pool pages, mode 1: bf16 window rows and an FP8 pool); ValueError for anything else.
+    ``picks``: ``common.decode_launches``."""
+    return run(*gluon_fp8_launch(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, num_splits, out, picks))

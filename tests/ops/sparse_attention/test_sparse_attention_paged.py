@@ -56,3 +56,32 @@ def test_paged_sparse_attention_opcheck(fmt, fake_check):
     if fmt == "fp32":  # the FP8 variant's opcheck adds time, not coverage of the schema
         opcheck(torch.ops.dsv4.sparse_attention.default, args)
     fake_check(torch.ops.dsv4.sparse_attention.default, *args)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca", "picks_and_prefix"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp8"])
+def test_the_sm90_routes_physical_entries_over_shared_pages_equal_the_paged_call(fmt, kind, tol):
+    """What the Gluon route hands its kernels for a paged pool (``attention_sm90``): the pages as one row all
+    queries share (``shared_rows``), and the picks followed by the dense prefix listed as physical entries
+    (``paged_entries``; the kernels read the prefix through the list, to the clamped ``cmp_len``). Read that way,
+    every listed entry a pick, the reference gives what it gives through the block table. Picks: several pages, -1,
+    past the row's entries; prefixes: across pages, none, past the row (clamped), negative."""
+    from dsv4_ops.ops.attention_sm90 import paged_entries, shared_rows
+    table, num_pages = shuffled_block_table(B, P)
+    window, pool, q = torch.randn(B, RING, D), torch.randn(B, P * PAGE, D), torch.randn(B, S, H, D)
+    kv, rows = (fp8_rows(window, ROPE, RING), fp8_rows(pool, ROPE, PAGE)) if fmt == "fp8" else (window, pool)
+    pages = to_pages(rows, table, num_pages)
+    kv_idx = i32([[[0, 1, -1], [2, 3, 4]], [[5, -1, 0], [1, 2, 3]]])
+    picks = i32([[[11, 0, 5], [4, -1, 7]], [[9, 3, P * PAGE], [8, 1, 2]]])
+    cmp_idx = picks if kind != "hca" else picks[..., :0]
+    cmp_len = i32([[0, 0], [0, 0]]) if kind == "csa" else i32([[7, 0], [P * PAGE + 5, -2]])
+    sink = torch.randn(H)
+    want = ref.sparse_attention(q, kv, kv_idx, pages, cmp_idx, cmp_len, sink, D ** -0.5, table)
+    entries, clen = paged_entries(pages, cmp_idx, cmp_len, table)
+    assert entries.dtype == torch.int32 and entries.shape == (B, S, cmp_idx.shape[-1] + P * PAGE)
+    assert torch.equal(clen, cmp_len.clamp(0, P * PAGE))
+    listed = entries[..., cmp_idx.shape[-1]:]  # the prefix: valid to cmp_len, -1 after
+    assert torch.equal((listed >= 0).sum(-1), clen.long())
+    got = ref.sparse_attention(q, kv, kv_idx, shared_rows(pages, B), entries, torch.zeros_like(cmp_len), sink,
+                               D ** -0.5)
+    torch.testing.assert_close(got, want, **tol(torch.float32))  # one softmax over more masked entries

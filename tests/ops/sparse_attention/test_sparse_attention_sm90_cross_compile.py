@@ -11,10 +11,12 @@ constants, ints divisible by 16 marked so), in a subprocess without ``TRITON_INT
 """
 import pytest
 
-from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, RING, W, check_gluon_fits,
+from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, PAGE, RING, W, check_gluon_fits,
                            gluon_cross_compile, gluon_mma_tests)
 
-CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2)}
+# paged: the pool is pages shared by the rows (stride 0 between them), the picks then the dense prefix listed as
+# physical entries (what ``attention_sm90`` hands the kernel for a block table)
+CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2), "paged_split1": dict(num_splits=1, paged=True)}
 
 
 def _launch(name):
@@ -26,10 +28,15 @@ def _launch(name):
     meta_dev = torch.device("meta")
     bf16 = dict(dtype=torch.bfloat16, device=meta_dev)
     i32 = dict(dtype=torch.int32, device=meta_dev)
+    from dsv4_ops.ops.attention_sm90 import shared_rows
+
+    cfg = dict(CONFIGS[name])
+    paged = cfg.pop("paged", False)
+    cmp = shared_rows(torch.empty(B * NC // PAGE, PAGE, D, **bf16), B) if paged else torch.empty(B, NC, D, **bf16)
     inputs = (torch.empty(B, 1, H, D, **bf16), torch.empty(B, RING, D, **bf16), torch.empty(B, 1, W, **i32),
-              torch.empty(B, NC, D, **bf16), torch.empty(B, 1, K, **i32), torch.empty(B, 1, **i32),
+              cmp, torch.empty(B, 1, K + (NC if paged else 0), **i32), torch.empty(B, 1, **i32),
               torch.empty(H, dtype=torch.float32, device=meta_dev), D ** -0.5)
-    _, launches = ga.gluon_launch(*inputs, **CONFIGS[name])
+    _, launches = ga.gluon_launch(*inputs, **cfg, picks=K if paged else None)
     return launches, {}
 
 

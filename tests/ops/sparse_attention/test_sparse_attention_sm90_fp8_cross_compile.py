@@ -23,7 +23,9 @@ from cross_compile import (B_DECODE as B, D, H, K_CSA as K, N_POOL as NC, PAGE, 
 # on the stack, reloaded from L1 twice a block (sm_90 SASS); more with mode 1's window loads; none at 2 splits
 SPILLS = {"split1": 16, "mode1_split1": 32}
 CONFIGS = {"split1": dict(num_splits=1), "split2": dict(num_splits=2),  # FP8 mode 2
-           "mode1_split1": dict(num_splits=1, mode=1), "mode1_split2": dict(num_splits=2, mode=1)}
+           "mode1_split1": dict(num_splits=1, mode=1), "mode1_split2": dict(num_splits=2, mode=1),
+           # the pool's pages shared by the rows, picks then the dense prefix listed (``attention_sm90``)
+           "paged_split1": dict(num_splits=1, paged=True)}
 
 
 def explicit_smem(meta: dict) -> int:
@@ -35,7 +37,7 @@ def explicit_smem(meta: dict) -> int:
             + 2 * H * n * 2 + 4 * H * 4)
 
 
-def _inputs(mode):
+def _inputs(mode, paged=False):
     import torch
 
     from dsv4_ops.reference import fp8_cache as fp8
@@ -43,11 +45,14 @@ def _inputs(mode):
     meta = torch.device("meta")
     u8, bf16, i32 = (dict(dtype=t, device=meta) for t in (torch.uint8, torch.bfloat16, torch.int32))
     pool = torch.empty(fp8.KVLayout(D, ROPE, PAGE).shape(B, NC), **u8)
+    if paged:
+        from dsv4_ops.ops.attention_sm90 import shared_rows
+        pool = shared_rows(pool.flatten(0, 1), B)
     if mode == 2:
         window = torch.empty(fp8.KVLayout(D, ROPE, W).shape(B, W), **u8)  # a ring of 128 entries, one page
     else:
         window = torch.empty(B, W, D, **bf16)
-    return (torch.empty(B, 1, H, D, **bf16), window, torch.empty(B, 1, W, **i32), pool, torch.empty(B, 1, K, **i32),
+    return (torch.empty(B, 1, H, D, **bf16), window, torch.empty(B, 1, W, **i32), pool, torch.empty(B, 1, K + (NC if paged else 0), **i32),
             torch.empty(B, 1, **i32), torch.empty(H, dtype=torch.float32, device=meta), D ** -0.5)
 
 
@@ -57,8 +62,8 @@ def _launch(name):
     from dsv4_ops.lowering.gluon import sparse_attention_fp8 as gf
 
     cfg = dict(CONFIGS[name])
-    mode = cfg.pop("mode", 2)
-    _, launches = gf.gluon_fp8_launch(*_inputs(mode), **cfg)
+    mode, paged = cfg.pop("mode", 2), cfg.pop("paged", False)
+    _, launches = gf.gluon_fp8_launch(*_inputs(mode, paged), **cfg, picks=K if paged else None)
     return launches, {"explicit_smem": explicit_smem(launches[0][3])}
 
 

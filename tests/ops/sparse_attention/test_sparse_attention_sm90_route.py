@@ -75,23 +75,37 @@ def test_the_gluon_launchers_split_as_the_triton_kernel(B, window, pool):
     assert [k for k, *_ in launches[1:]] == ([combine_kernel] if splits > 1 else [])
 
 
-def test_a_paged_pool_keeps_the_triton_kernel(monkeypatch):
-    """A compressed pool read through a block table never takes the Gluon route (its producers gather a
-    row's entries from one base pointer; ``attention_sm90.applies`` says why), where the same call over
-    a per-row pool would: an sm_90 device with Gluon stood in for, fake CUDA tensors."""
+@pytest.mark.parametrize("pool, served", [
+    ("bf16", True),  # pages back to back: one row of num_pages * page entries
+    ("bf16_strided", False),  # pages at a stride: not one row without a copy
+    ("fp8", True),  # FP8 pages back to back
+    ("fp8_padded", False),  # FlashMLA's padded page stride: the reader addresses pages back to back
+    ("empty", False),  # no pages
+])
+def test_which_paged_pools_take_the_gluon_route(monkeypatch, pool, served):
+    """A compressed pool read through a block table takes the Gluon route when its pages can be seen as one row
+    that all queries share (``attention_sm90.shared_rows``; the entries are then translated, ``paged_entries``);
+    otherwise it keeps the Triton kernel. An sm_90 device with Gluon stood in for, fake CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr(sm90, "_enabled", True)
     monkeypatch.setattr(sm90, "gluon_available", lambda: True)
     monkeypatch.setattr(sm90, "capability", lambda index: (9, 0))
     monkeypatch.setattr(sm90, "device_index", lambda device: 0)
-    B, H, D = 2, 64, 512
+    if pool.startswith("fp8"):
+        pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon")
+    B, H, D, E = 2, 64, 512, 584
     with FakeTensorMode(allow_non_fake_inputs=False):
         cuda = dict(device="cuda:0")
         q, kv = torch.empty(B, 1, H, D, dtype=torch.bfloat16, **cuda), torch.empty(B, 256, D, dtype=torch.bfloat16, **cuda)
         idx = (torch.empty(B, 1, 128, dtype=I32, **cuda), torch.empty(B, 1, 512, dtype=I32, **cuda),
                torch.empty(B, 1, dtype=I32, **cuda))
-        rows, pages = (torch.empty(B, 2048, D, dtype=torch.bfloat16, **cuda),
-                       torch.empty(65, 64, D, dtype=torch.bfloat16, **cuda))
-        assert sm90.applies(q, kv, idx[0], rows, idx[1], idx[2])
-        assert not sm90.applies(q, kv, idx[0], pages, idx[1], idx[2], torch.empty(B, 32, dtype=I32, **cuda))
+        pages = {"bf16": lambda: torch.empty(65, 64, D, dtype=torch.bfloat16, **cuda),
+                 "bf16_strided": lambda: torch.empty_strided((65, 64, D), (80 * D, D, 1), dtype=torch.bfloat16, **cuda),
+                 "fp8": lambda: torch.empty(65, 64, E, dtype=torch.uint8, **cuda),
+                 "fp8_padded": lambda: torch.empty_strided((65, 64, E), (65 * E, E, 1), dtype=torch.uint8, **cuda),
+                 "empty": lambda: torch.empty(0, 64, D, dtype=torch.bfloat16, **cuda)}[pool]()
+        if pool.startswith("fp8"):  # the FP8 window pages the model pairs with an FP8 pool
+            kv = torch.empty(B, 1, 128, E, dtype=torch.uint8, **cuda)
+        table = torch.empty(B, 32, dtype=I32, **cuda)
+        assert sm90.applies(q, kv, idx[0], pages, idx[1], idx[2], table) is served
