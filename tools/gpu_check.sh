@@ -11,7 +11,7 @@
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
-#           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4.5 min) into build/trained-gpu,
+#           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4 min) into build/trained-gpu,
 #           with its quality numbers (benchmarks/trained_tiny_quality.py); then on the bench config (random weights)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained.json
 #   serve   the OpenAI-compatible server on the Flash slice (benchmarks/serve_random.py, random weights) under
@@ -111,7 +111,7 @@ for what in "$@"; do
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
     spec) trained=${TRAINED:-build/trained-gpu}
           { if [ ! -f "$trained/model.safetensors" ]; then
-              python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4.5 --out "$trained" \
+              python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4 --out "$trained" \
                 > "$OUT/train_gpu.log" 2>&1 || { rc=1; tail -5 "$OUT/train_gpu.log"; }
             fi
             python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
