@@ -556,3 +556,45 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     assert data["capacity"]["pages"] > 0
     mixed = data["capacity"]["mixed"]
     assert mixed["longest_tokens"] > mixed["per_row_longest_tokens"] > mixed["short_tokens"]
+
+
+# ---- time to first token: bench_ttft.py ------------------------------------------------------------------------------
+def test_bench_ttft_smoke_times_every_path_against_its_floor(tmp_path):
+    from benchmarks import bench_ttft
+
+    res = bench_ttft.main(["--smoke", "--device", "cpu", "--samples", "1", "--out", str(tmp_path / "ttft.json")])
+    rows = json.loads((tmp_path / "ttft.json").read_text())["rows"]
+    assert rows == json.loads(json.dumps(res["rows"]))
+    got = {(r["path"], r["batch"], r["prompt"]) for r in rows}
+    assert got == {("generator", 1, 24), ("generator", 2, 40), ("engine", 1, 24), ("engine", 2, 40),
+                   ("hf_enabled", 1, 24), ("hf_eager", 1, 24)}
+    for r in rows:
+        assert "error" not in r and r["ms"] > 0 and r["first_call_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["prompt"] / r["ms"] * 1e3)
+        f = r["floor"]
+        assert f["floor_ms"] == max(f["compute_ms"], f["bytes_ms"]) > 0
+        assert f["flops"] == pytest.approx(sum(f["flops_parts"].values()))
+
+
+def test_the_prefill_floor_counts_attention_and_the_indexer_over_the_causal_prompt():
+    """``attention_flops`` against a loop over the queries of a small config: each query's window, CSA picks of the
+    visible compressed entries (at most top-k) or every visible HCA entry, and the CSA indexer over every visible
+    key."""
+    from benchmarks.bench_ttft import attention_flops
+    from dsv4_ops import DSV4Config
+    from dsv4_ops.config import CSA, HCA
+
+    cfg = DSV4Config.tiny()
+    P = 3 * cfg.sliding_window + 7
+    attn = indexer = 0
+    for t in range(1, P + 1):
+        for kind in cfg.layer_types:
+            n = min(t, cfg.sliding_window)
+            if kind == CSA:
+                n += min(t // cfg.csa_ratio, cfg.index_topk)
+                indexer += (t // cfg.csa_ratio) * 2 * cfg.index_n_heads * cfg.index_head_dim
+            elif kind == HCA:
+                n += t // cfg.hca_ratio
+            attn += n * 4 * cfg.num_attention_heads * cfg.head_dim
+    assert CSA in cfg.layer_types and HCA in cfg.layer_types
+    assert attention_flops(cfg, P) == (pytest.approx(attn), pytest.approx(indexer))
