@@ -36,8 +36,13 @@ def hf_model(cfg: DSV4Config, dtype, device):
 
     torch.manual_seed(0)
     hcfg = cfg.to_hf()
-    with torch.device(device):
-        hf = DeepseekV4ForCausalLM(hcfg).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in ``dtype``: the Flash slice in fp32 first would not fit one GPU
+    try:
+        with torch.device(device):
+            hf = DeepseekV4ForCausalLM(hcfg).to(dtype).eval()
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():  # HF leaves these empty / zero; give them sane values
         for name, p in hf.named_parameters():
             if name.endswith(("sinks", "position_bias")):
