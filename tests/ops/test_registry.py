@@ -79,6 +79,6 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(str(ops.moe_gemv.default._schema), """dsv4::moe_gemv(Tensor x, Tensor indices, Tensor weights, Tensor w13, Tensor w2, float limit) -> Tensor""")
         self.assertExpectedInline(str(ops.sinkhorn.default._schema), """dsv4::sinkhorn(Tensor comb, SymInt iters, float eps) -> Tensor""")
         self.assertExpectedInline(str(ops.sparse_attention.default._schema), """dsv4::sparse_attention(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale, Tensor? block_table=None) -> Tensor""")
-        self.assertExpectedInline(str(ops.sparse_attention_sm90.default._schema), """dsv4::sparse_attention_sm90(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale) -> Tensor""")
+        self.assertExpectedInline(str(ops.sparse_attention_sm90.default._schema), """dsv4::sparse_attention_sm90(Tensor q, Tensor kv, Tensor kv_idx, Tensor cmp, Tensor cmp_idx, Tensor cmp_len, Tensor sink, float scale, SymInt picks=-1) -> Tensor""")
         if NATIVE:
             self.assertExpectedInline(str(ops.topk_rows_cuda.default._schema), """dsv4::topk_rows_cuda(Tensor scores, Tensor visible, int topk) -> Tensor""")
