@@ -63,7 +63,8 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
     if not (_enabled and q.device.type == "cuda" and not torch.compiler.is_exporting() and gluon_available()):
         return False
     if block_table is not None:
-        if cmp.shape[0] * cmp.shape[1] == 0 or (cmp.dtype != torch.uint8 and not _pages_form_one_row(cmp)):
+        one_row = cmp.dtype == torch.uint8 or cmp.stride(0) == cmp.shape[1] * cmp.stride(1)  # FP8: its reader checks
+        if cmp.shape[0] * cmp.shape[1] == 0 or not one_row:
             return False
         cmp = shared_rows(cmp, q.shape[0])
     B, S, H, D = q.shape
@@ -79,10 +80,6 @@ def applies(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor,
             and kv.shape[1] + cmp.shape[1] > 0)
 
 
-def _pages_form_one_row(pages: Tensor) -> bool:
-    return pages.stride(0) == pages.shape[1] * pages.stride(1)
-
-
 def shared_rows(pages: Tensor, B: int) -> Tensor:
     """A paged pool's pages ``[num_pages, page, ...]`` as the per-row cache layout the kernels take, one row that
     all ``B`` queries share (stride 0): float ``[B, num_pages * page, D]``, FP8 ``[B, num_pages, page, bytes]``."""
@@ -91,11 +88,9 @@ def shared_rows(pages: Tensor, B: int) -> Tensor:
 
 
 def paged_entries(pages: Tensor, cmp_idx: Tensor, cmp_len: Tensor, block_table: Tensor) -> tuple[Tensor, Tensor]:
-    """``(entries, cmp_len)``: the picks ``cmp_idx [B, S, K]`` and the dense prefix of ``cmp_len`` rows of each
-    row's pages (``block_table [B, P]``) as physical entries of the pages seen as one row (-1: skipped),
-    ``[B, S, K + P * page]`` int32: K picks, then the prefix, listed (the kernels read the prefix through the
-    list, to ``cmp_len`` entries); ``cmp_len`` clamped to ``[0, P * page]``. A few elementwise ops that the
-    compiled step fuses into one kernel."""
+    """``(entries [B, S, K + P * page] int32, cmp_len clamped to [0, P * page])``: the K picks, then the dense prefix
+    listed (the kernels read it through the list, to ``cmp_len``), as physical entries of the pages seen as one row
+    (-1: skipped). Elementwise ops that the compiled step fuses."""
     B, S, _ = cmp_idx.shape
     n = block_table.shape[1] * pages.shape[1]
     clen = cmp_len.clamp(0, n)

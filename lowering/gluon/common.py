@@ -126,10 +126,8 @@ def decode_launches(name, kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len, si
                     num_splits=None, out=None, picks=None):
     """(out, [(kernel, grid, args, meta), ...]) of one decode call: ``kernel`` with ``meta`` on a ``(B, splits)``
     grid and, when split, ``combine_kernel``. ``n_kv`` / ``n_cmp``: the window's and the pool's rows (``kv``,
-    ``cmp``: valid pointers even when empty). ``picks``: how many of cmp_idx's entries are picks (None: all); the
-    rest list the dense prefix's rows (a paged pool: ``dsv4_ops.ops.attention_sm90.paged_entries``). Splits: the
-    Triton kernel's rule, planned for its entries (window + picks, or the dense prefix) unless ``num_splits`` is
-    given."""
+    ``cmp``: valid pointers even when empty). ``picks``: cmp_idx's picks (None: all), the rest the dense prefix
+    (``attention_sm90.paged_entries``). Splits: the Triton kernel's rule for window + picks or the prefix."""
     if n_kv == 0 and n_cmp == 0:
         raise ValueError(f"{name}: kv and cmp are both empty (no rows to attend to)")
     B, _, H, D = q.shape
