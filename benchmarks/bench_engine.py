@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="the engine's prefill chunk (default: the Engine's, whole pages up to 2048 tokens)")
+    ap.add_argument("--admit-wait", type=int, default=0,
+                    help="throughput: the engine's admit_wait (iterations a freed slot waits for others to share a "
+                         "prefill step; 0: admit at once, the default)")
     ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
                     help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
@@ -167,11 +170,12 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
             for _ in range(args.requests or 8 * N)]
     # random prompts share no prefix; without the cache the same requests run the same steps again, so
     # running them once first compiles and records exactly the shapes the timed run takes
-    eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
+    eng = Engine(model, max_running=N, admit_wait=args.admit_wait, **dict(eng_kw, prefix_cache=False))
     run_engine = lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs])  # noqa: E731
     run_engine()
     run_engine()  # with CUDA graphs a shape's graph is recorded on its second call
-    counted = ("finished", "cuda_graph_recordings", "cuda_graph_replays", "decode_steps", "prefill_steps", "slot_moves")
+    counted = ("finished", "cuda_graph_recordings", "cuda_graph_replays", "decode_steps", "prefill_steps", "slot_moves",
+               "admissions_deferred")
     before = {k: eng.stats[k] for k in ("compile_time_s", *counted)}
     t_eng = _timed(run_engine, device)
     s = eng.stats

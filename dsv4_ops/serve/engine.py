@@ -161,6 +161,10 @@ class Engine:
             only. A step whose chunks are all short runs at a narrower width. Default: the whole pages
             that fit in 2048 tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
+        admit_wait: while requests decode, a freed slot waits up to this many iterations for more slots to
+            free (as many as one prefill step takes, or as there are waiting requests), so that their
+            prompts share one prefill step: every step reads the weights of every expert its tokens pick,
+            nearly all of them at a few hundred tokens. 0 (the default): admit at once (lowest latency).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
 
@@ -175,12 +179,13 @@ class Engine:
                  spec_steps: int = 0, compile: bool = True, cuda_graphs: bool | None = None,
                  kv_cache_dtype: str = "auto", prefill_chunk: int | None = None,
                  max_prefill_tokens: int | None = None, num_snapshots: int | None = None,
-                 snapshot_interval: int = 16, overlap: bool = True) -> None:
+                 snapshot_interval: int = 16, overlap: bool = True, admit_wait: int = 0) -> None:
         cfg = model.config
         check_int("max_running", max_running, 1)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("page_size", page_size, 1)
         check_int("snapshot_interval", snapshot_interval, 1)
+        check_int("admit_wait", admit_wait, 0)
         check_int("spec_steps", spec_steps, 0)
         if spec_steps and len(model.mtp) == 0:
             raise ValueError(f"Engine: spec_steps={spec_steps} needs the model's MTP block, and this model has none "
@@ -212,6 +217,7 @@ class Engine:
         self.max_running, self.max_seq_len, self.page_size = max_running, max_seq_len, page_size
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
+        self.admit_wait, self._deferred = admit_wait, 0  # iterations admission has waited for more free slots
         self.snapshot_interval = snapshot_interval
         # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
         self._snap_pages = max(1, prefill_chunk // page_size)
@@ -271,7 +277,8 @@ class Engine:
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
                            generated_tokens=0, preemptions=0, recompiles=0, graph_breaks=0, cuda_graph_replays=0,
                            cuda_graph_recordings=0, compile_time_s=0.0, busy_time_s=0.0, finished=0, aborted=0,
-                           accepted_tokens=0, drafted_tokens=0, early_steps=0, early_rows_dropped=0, slot_moves=0)
+                           accepted_tokens=0, drafted_tokens=0, early_steps=0, early_rows_dropped=0, slot_moves=0,
+                           admissions_deferred=0)
         self._calls = CompiledSteps(self._stats, compile, self.cuda_graphs, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -446,6 +453,8 @@ class Engine:
 
     # ------------------------------------------------------------------ admission and pages
     def _admit(self) -> None:
+        if not self._admission_due():
+            return
         while self._waiting and None in self._slots:
             req = self._waiting[0]
             shared, snap = self.cache.match(req.tokens[: req.prefill_target + 1],
@@ -476,6 +485,23 @@ class Engine:
                     t[slot].copy_(store[snap])
             if self.spec is not None and req.generated:  # resumed: its next token is known
                 self.spec.resume(slot, req.generated[-1], req.spec_saved)
+
+    def _admission_due(self) -> bool:
+        """Whether waiting requests take free slots this iteration (``admit_wait``): at once when nothing
+        decodes, when a request is still in prefill (its step runs anyway), or when a prefill step's worth
+        of slots is free; else after ``admit_wait`` iterations."""
+        free = self._slots.count(None)
+        if not (self._waiting and free):
+            self._deferred = 0
+            return False
+        running = [r for r in self._slots if r is not None]
+        if (self._deferred >= self.admit_wait or free >= min(self.prefill_rows, len(self._waiting))
+                or any(r.computed < r.prefill_target for r in running) or not running):
+            self._deferred = 0
+            return True
+        self._deferred += 1
+        self._stats["admissions_deferred"] += 1
+        return False
 
     def _compact(self) -> list[tuple[int, int]]:
         """Move requests from slots at or past the smallest decode bucket that holds them all into
@@ -749,8 +775,9 @@ class Engine:
         accepted_tokens / drafted_tokens (drafts accepted / made, over every request) and their
         ratio acceptance_rate (``RequestOutput`` carries each request's own counts); early_steps (decode
         steps launched before the last one's tokens were read, ``overlap``), early_rows_dropped
-        (their rows whose request had stopped: the overlap's wasted work) and slot_moves (requests
-        moved to a lower slot so that decode steps run at a smaller bucket)."""
+        (their rows whose request had stopped: the overlap's wasted work), slot_moves (requests
+        moved to a lower slot so that decode steps run at a smaller bucket) and admissions_deferred
+        (iterations that left a slot free for more to join it, ``admit_wait``)."""
         s = dict(self._stats)
         s["running"] = sum(r is not None for r in self._slots)
         s["waiting"] = len(self._waiting)
