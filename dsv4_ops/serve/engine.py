@@ -381,7 +381,8 @@ class Engine:
         if sum(r is not None for r in self._slots) != len(batch):
             return None  # a request still in prefill: the next iteration runs its chunk
         early = [r for r in batch if len(r.generated) + 1 < r.max_new]  # the rest end by length now
-        if not early or (self._waiting and (len(early) < len(batch) or None in self._slots)):
+        due = self._admission_due(ending=len(batch) - len(early))
+        if not early or due:
             return None
         if self.cache.enabled and any((r.computed + 1) % self.page_size == 0 for r in batch):
             return None  # this step ends a page: its snapshot is of the rings before another step runs
@@ -396,6 +397,7 @@ class Engine:
             for src, dst in moves:
                 tokens[dst] = tokens[src]
         self._stats["early_steps"] += 1
+        self._defer(due)  # the next iteration reads this step and admits no one
         return early, self._run_decode(early, ids=tokens)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens=32, *, temperature=None, top_k=None,
@@ -453,7 +455,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admission and pages
     def _admit(self) -> None:
-        if not self._admission_due():
+        if not self._defer(self._admission_due()):
             return
         while self._waiting and None in self._slots:
             req = self._waiting[0]
@@ -486,22 +488,23 @@ class Engine:
             if self.spec is not None and req.generated:  # resumed: its next token is known
                 self.spec.resume(slot, req.generated[-1], req.spec_saved)
 
-    def _admission_due(self) -> bool:
-        """Whether waiting requests take free slots this iteration (``admit_wait``): at once when nothing
-        decodes, when a request is still in prefill (its step runs anyway), or when a prefill step's worth
-        of slots is free; else after ``admit_wait`` iterations."""
-        free = self._slots.count(None)
+    def _admission_due(self, ending: int = 0) -> bool | None:
+        """Whether waiting requests take free slots this iteration (``ending``: of the next one, after that
+        many running requests end): at once when nothing decodes, when a request is still in prefill (its
+        step runs anyway), or when a prefill step's worth of slots is free; else after ``admit_wait``
+        iterations. None: no request waits for a free slot."""
+        free = self._slots.count(None) + ending
         if not (self._waiting and free):
-            self._deferred = 0
-            return False
+            return None
         running = [r for r in self._slots if r is not None]
-        if (self._deferred >= self.admit_wait or free >= min(self.prefill_rows, len(self._waiting))
-                or any(r.computed < r.prefill_target for r in running) or not running):
-            self._deferred = 0
-            return True
-        self._deferred += 1
-        self._stats["admissions_deferred"] += 1
-        return False
+        return (self._deferred >= self.admit_wait or free >= min(self.prefill_rows, len(self._waiting))
+                or any(r.computed < r.prefill_target for r in running) or len(running) == ending)
+
+    def _defer(self, due: bool | None) -> bool:
+        """Count an iteration that leaves slots free for more to join them; whether admission is due."""
+        self._deferred = 0 if due is not False else self._deferred + 1
+        self._stats["admissions_deferred"] += due is False
+        return bool(due)
 
     def _compact(self) -> list[tuple[int, int]]:
         """Move requests from slots at or past the smallest decode bucket that holds them all into

@@ -152,7 +152,8 @@ def test_abort_frees_the_pages_and_the_others_finish(model, spec_steps):
 def test_admission_waiting_for_free_slots_shares_prefill_steps_and_keeps_the_tokens(model, spec_steps):
     """``admit_wait``: as requests of staggered lengths end one by one, each freed slot waits (a bounded number of
     iterations) for others, so that the next prompts share prefill steps: fewer prefill steps than admitting at
-    once, the same tokens (each request's tokens alone, greedy and sampled), and no request waits past the bound."""
+    once, more decode steps launched before the last one's tokens were read (an iteration that admits no one can
+    be), the same tokens (each request's tokens alone, greedy and sampled)."""
     rng = random.Random(8)
     model, prompts = (trained_model(), text_prompts(rng, 12, (5, 30))) if spec_steps else \
         (model, random_prompts(rng, 12, (5, 30)))
@@ -167,6 +168,8 @@ def test_admission_waiting_for_free_slots_shares_prefill_steps_and_keeps_the_tok
                                        seed=5 + i)[0] for i, p in enumerate(prompts)]
     assert s6["admissions_deferred"] > 0 and s0["admissions_deferred"] == 0
     assert s6["prefill_steps"] < s0["prefill_steps"]
+    if not spec_steps:  # an iteration that admits no one can be launched before the last one's tokens are read
+        assert s6["early_steps"] > s0["early_steps"]
     assert s6["finished"] == 12 and s6["running"] == s6["waiting"] == 0
 
 
