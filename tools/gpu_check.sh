@@ -19,7 +19,7 @@
 #           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
 #           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
 #           serving Engine vs the static Generator (bench_engine.py) with the caches in $CACHES (default "bf16 fp8"),
-#           $PARTS (its --parts) and $REQUESTS; SERVER=0: the engine alone
+#           $PARTS (its --parts), $REQUESTS and $ADMIT_WAIT; SERVER=0: the engine alone
 #                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), each op's eager host
 #           cost per call (benchmarks/bench_op_overhead.py -> bench_op_overhead.json), and the FP8 sparse
@@ -145,7 +145,8 @@ for what in "$@"; do
           fi
           for cache in ${CACHES-bf16 fp8}; do  # the serving engine vs the static Generator ($CACHES: which caches)
              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache ${PARTS:+--parts $PARTS} \
-               ${REQUESTS:+--requests $REQUESTS} --out "$OUT/bench_engine_$cache.json" 2>&1 | quiet || rc=1
+               ${REQUESTS:+--requests $REQUESTS} ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} \
+               --out "$OUT/bench_engine_$cache${ADMIT_WAIT:+_wait$ADMIT_WAIT}.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            python3 benchmarks/bench_op_overhead.py --device cuda --out "$OUT/bench_op_overhead.json" || rc=1
