@@ -162,9 +162,10 @@ class Engine:
             that fit in 2048 tokens and ``max_seq_len`` (else, and speculative, ``min(page_size, 256)``).
         max_prefill_tokens: prefill tokens per iteration (default ``4 * prefill_chunk``).
         admit_wait: while requests decode, a freed slot waits up to this many iterations for more slots to
-            free (as many as one prefill step takes, or as there are waiting requests), so that their
-            prompts share one prefill step: every step reads the weights of every expert its tokens pick,
-            nearly all of them at a few hundred tokens. 0 (the default): admit at once (lowest latency).
+            free (as many as one prefill step takes, as there are waiting requests, or an eighth of
+            ``max_running``, whichever is least), so that their prompts share one prefill step: every step
+            reads the weights of every expert its tokens pick, nearly all of them at a few hundred tokens.
+            0 (the default): admit at once (lowest latency).
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
 
@@ -491,13 +492,15 @@ class Engine:
     def _admission_due(self, ending: int = 0) -> bool | None:
         """Whether waiting requests take free slots this iteration (``ending``: of the next one, after that
         many running requests end): at once when nothing decodes, when a request is still in prefill (its
-        step runs anyway), or when a prefill step's worth of slots is free; else after ``admit_wait``
-        iterations. None: no request waits for a free slot."""
+        step runs anyway), or when enough slots are free; else after ``admit_wait`` iterations. None: no
+        request waits for a free slot."""
         free = self._slots.count(None) + ending
         if not (self._waiting and free):
             return None
         running = [r for r in self._slots if r is not None]
-        return (self._deferred >= self.admit_wait or free >= min(self.prefill_rows, len(self._waiting))
+        # a prefill step's worth of slots, but at most an eighth of them idle: the rest keep decoding
+        enough = min(self.prefill_rows, len(self._waiting), max(1, self.max_running // 8))
+        return (self._deferred >= self.admit_wait or free >= enough
                 or any(r.computed < r.prefill_target for r in running) or len(running) == ending)
 
     def _defer(self, due: bool | None) -> bool:

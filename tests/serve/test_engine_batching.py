@@ -152,47 +152,46 @@ def test_abort_frees_the_pages_and_the_others_finish(model, spec_steps):
 def test_admission_waiting_for_free_slots_shares_prefill_steps_and_keeps_the_tokens(model, spec_steps):
     """``admit_wait``: as requests of staggered lengths end one by one, each freed slot waits (a bounded number of
     iterations) for others, so that the next prompts share prefill steps: fewer prefill steps than admitting at
-    once, more decode steps launched before the last one's tokens were read (an iteration that admits no one can
-    be), the same tokens (each request's tokens alone, greedy and sampled)."""
+    once, the same tokens (each request's tokens alone, greedy and sampled)."""
     rng = random.Random(8)
-    model, prompts = (trained_model(), text_prompts(rng, 12, (5, 30))) if spec_steps else \
-        (model, random_prompts(rng, 12, (5, 30)))
-    new = [3 + 2 * i for i in range(4)] * 3  # the first four end at different steps
-    temperature = [0.0, 0.8] * 6
+    model, prompts = (trained_model(), text_prompts(rng, 24, (5, 16))) if spec_steps else \
+        (model, random_prompts(rng, 24, (5, 16)))  # one chunk each
+    new = [3 + 3 * i for i in range(16)] + [4] * 8  # the first sixteen end at different steps
+    temperature = [0.0, 0.8] * 12
     runs = {}
-    for wait in (0, 6):
-        eng = engine(model, max_running=4, max_prefill_tokens=4 * 16, spec_steps=spec_steps, admit_wait=wait)
+    for wait in (0, 6):  # 16 slots: an admission waits for 2 free (an eighth of them)
+        eng = engine(model, max_running=16, max_prefill_tokens=16 * 16, spec_steps=spec_steps, admit_wait=wait)
         runs[wait] = (eng.generate(prompts, max_new_tokens=new, temperature=temperature, seed=5), eng.stats)
     (got0, s0), (got6, s6) = runs[0], runs[6]
     assert got6 == got0 == [alone_spec(model, p, spec_steps, max_new_tokens=new[i], temperature=temperature[i],
                                        seed=5 + i)[0] for i, p in enumerate(prompts)]
     assert s6["admissions_deferred"] > 0 and s0["admissions_deferred"] == 0
     assert s6["prefill_steps"] < s0["prefill_steps"]
-    if not spec_steps:  # an iteration that admits no one can be launched before the last one's tokens are read
-        assert s6["early_steps"] > s0["early_steps"]
-    assert s6["finished"] == 12 and s6["running"] == s6["waiting"] == 0
+    assert s6["finished"] == 24 and s6["running"] == s6["waiting"] == 0
 
 
 def test_a_freed_slot_waits_at_most_admit_wait_iterations(model):
-    """One long request decodes, one short one ends and frees its slot while two requests wait (one slot is less
-    than the prefill step they could share): with ``admit_wait=3`` the first of them is admitted (its prefill
-    runs, its first token comes) in the fourth iteration after the slot freed, after three deferred ones."""
+    """Fifteen long requests decode, a short one ends and frees its slot while two requests wait (one free slot of
+    16 is less than the two an admission waits for): with ``admit_wait=3`` the first of them is admitted (its
+    prefill runs, its first token comes) in the fourth iteration after the slot freed, after three deferred ones,
+    whose decode steps were launched before the last one's tokens were read (an iteration that admits no one)."""
     rng = random.Random(3)
-    long_, short, late, later = random_prompts(rng, 4, (5, 20))
-    eng = engine(model, max_running=2, admit_wait=3)
-    a = eng.add_request(long_, max_new_tokens=40)
-    b = eng.add_request(short, max_new_tokens=2)
-    c = eng.add_request(late, max_new_tokens=3)
-    eng.add_request(later, max_new_tokens=3)
+    prompts = random_prompts(rng, 18, (5, 20))
+    eng = engine(model, max_running=16, admit_wait=3)
+    long_ids = [eng.add_request(p, max_new_tokens=40) for p in prompts[:15]]
+    b = eng.add_request(prompts[15], max_new_tokens=2)
+    c = eng.add_request(prompts[16], max_new_tokens=3)
+    eng.add_request(prompts[17], max_new_tokens=3)
     freed_at = first_at = None
     for it in range(60):
         for o in eng.step():
             if o.request_id == b and o.finished:
-                freed_at = it
+                freed_at, early = it, eng.stats["early_steps"]
             if o.request_id == c and o.new_token_ids and first_at is None:
                 first_at = it
         if first_at is not None:
             break
     assert freed_at is not None and first_at is not None
     assert first_at - freed_at == 4 and eng.stats["admissions_deferred"] == 3
-    assert a in eng._requests
+    assert eng.stats["early_steps"] - early == 2  # the three deferred iterations' steps but the first's (launched before)
+    assert all(i in eng._requests for i in long_ids)
