@@ -13,8 +13,9 @@
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
 #           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4 min) into build/trained-gpu,
-#           with its quality numbers (benchmarks/trained_tiny_quality.py); then on the bench config (random weights)
-#                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained.json
+#           with its quality numbers (benchmarks/trained_tiny_quality.py), $SPEC_GRID its runs (bench_spec arguments,
+#           ';' between runs; default "--ks 1 2 3 4"); then, unless SPEC_RANDOM=0, on the bench config (random weights)
+#                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained_*.json
 #   serve   the OpenAI-compatible server on the Flash slice (benchmarks/serve_random.py, random weights) under
 #           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
 #           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
@@ -119,9 +120,13 @@ for what in "$@"; do
             fi
             python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
               || rc=1
-            python3 benchmarks/bench_spec.py --model "$trained" --context 1024 --ks 1 2 3 4 \
-              --out "$OUT/bench_spec_trained.json" || rc=1
-            python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" || rc=1; } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
+            IFS=';' read -ra grid <<< "${SPEC_GRID:---ks 1 2 3 4}"  # SPEC_GRID: bench_spec arguments, ';' between runs
+            for spec_args in "${grid[@]}"; do
+              python3 benchmarks/bench_spec.py --model "$trained" --context 1024 $spec_args \
+                --out "$OUT/bench_spec_trained_$(echo "$spec_args" | tr -dc '0-9').json" || rc=1
+            done
+            if [ "${SPEC_RANDOM:-1}" = 1 ]; then python3 benchmarks/bench_spec.py --out "$OUT/bench_spec.json" || rc=1; fi
+          } 2>&1 | quiet | tee "$OUT/bench_spec.log" ;;
     serve) # serve_on PORT NAME [server flags]: start a server, wait for /health (compiles first), run the loads, stop it
           serve_on() {
             local port=$1 name=$2; shift 2
