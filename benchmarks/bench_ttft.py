@@ -39,6 +39,7 @@ import dsv4_ops  # noqa: E402
 from benchmarks.bench_hf import hf_model  # noqa: E402
 from benchmarks.bench_model import bench_config, is_routed_expert, release  # noqa: E402
 from benchmarks.kernel_bench.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S  # noqa: E402
+from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from benchmarks.random_weights import CONFIGS, flash_slice_config  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
 from dsv4_ops.config import CSA, HCA  # noqa: E402
@@ -74,21 +75,18 @@ def attention_flops(cfg: DSV4Config, prompt: int) -> tuple[float, float]:
     return attn, indexer
 
 
-class Weights(dict):
+def weights_of(model) -> dict:
     """What a prefill's floor needs of a model's parameters: ``dense`` and ``routed`` elements of the main model
     (the embedding, the LM head and the MTP block aside), ``head`` elements, and the ``bytes`` of all of them."""
-
-
-def weights_of(model) -> Weights:
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     main = [(n, p) for n, p in model.named_parameters()
             if not n.startswith("mtp.") and p is not embed and p is not head]
-    return Weights(dense=sum(p.numel() for n, p in main if not is_routed_expert(n)),
-                   routed=sum(p.numel() for n, p in main if is_routed_expert(n)), head=head.numel(),
-                   bytes=sum(p.nbytes for _, p in main) + head.nbytes)
+    return dict(dense=sum(p.numel() for n, p in main if not is_routed_expert(n)),
+                routed=sum(p.numel() for n, p in main if is_routed_expert(n)), head=head.numel(),
+                bytes=sum(p.nbytes for _, p in main) + head.nbytes)
 
 
-def prefill_floor(w: Weights, cfg: DSV4Config, batch: int, prompt: int) -> dict:
+def prefill_floor(w: dict, cfg: DSV4Config, batch: int, prompt: int) -> dict:
     """The compute and bytes floors of a ``batch x prompt`` prefill that ends in each row's first token."""
     per_token = w["dense"] + w["routed"] * cfg.num_experts_per_tok / max(cfg.n_routed_experts, 1)
     attn, indexer = attention_flops(cfg, prompt)
@@ -100,30 +98,15 @@ def prefill_floor(w: Weights, cfg: DSV4Config, batch: int, prompt: int) -> dict:
                 floor_ms=max(compute_ms, bytes_ms))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ttft(fn, device: torch.device, samples: int) -> dict:
     """``fn()`` returns once every row's first token is on the host: its first call (compiles), then the median of
-    ``samples`` calls, and the peak memory of those."""
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - t0
+    ``samples`` calls each timed alone (``timing.time_call``), and the peak memory of those."""
+    first = first_call_s(fn, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
+    t = time_call(fn, device, warmup=0, iters=samples, sync_each=True)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return dict(ms=times[len(times) // 2] * 1e3, samples=samples, first_call_s=first, peak_gib=peak)
+    return dict(ms=t.ms, samples=t.samples, method=t.method, first_call_s=first, peak_gib=peak)
 
 
 def prompts_of(cfg: DSV4Config, batch: int, prompt: int, seed: int) -> list[list[int]]:

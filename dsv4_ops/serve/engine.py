@@ -494,8 +494,8 @@ class Engine:
         many running requests end): at once when nothing decodes, when a request is still in prefill (its
         step runs anyway), or when enough slots are free; else after ``admit_wait`` iterations. None: no
         request waits for a free slot."""
-        free = self._slots.count(None) + ending
-        if not (self._waiting and free):
+        free = self._slots.count(None) + ending if self._waiting else 0  # nothing waits: no count a step
+        if not free:
             return None
         running = [r for r in self._slots if r is not None]
         # a prefill step's worth of slots, but at most an eighth of them idle: the rest keep decoding
