@@ -96,9 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="the engine's prefill chunk (default: the Engine's, whole pages up to 2048 tokens)")
-    ap.add_argument("--admit-wait", type=int, default=0,
+    ap.add_argument("--admit-wait", type=int, nargs="+", default=[0],
                     help="throughput: the engine's admit_wait (iterations a freed slot waits for others to share a "
-                         "prefill step; 0: admit at once, the default)")
+                         "prefill step; 0: admit at once, the default); several values: one engine run each, "
+                         "against one static run")
     ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
                     help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
@@ -168,9 +169,41 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
             for _ in range(args.requests or 8 * N)]
+    tokens = sum(n for _, n in reqs)
+    runs = [_engine_throughput(model, reqs, N, wait, eng_kw, device) for wait in args.admit_wait]
+    for r in runs:
+        print(f"engine, admit_wait {r['admit_wait']}: {len(reqs)} requests at concurrency {N} in {r['engine_s']:.2f} s "
+              f"({tokens / r['engine_s']:.0f} tok/s), " + ", ".join(f"{k} {v}" for k, v in r["timed"].items()),
+              flush=True)
+    gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
+    run_static = lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])  # noqa: E731
+                          for i in range(0, len(reqs), N)]
+    run_static()
+    run_static()
+    gen_compile_before = gen.stats["compile_time_s"]
+    t_gen = _timed(run_static, device)
+    for r in runs:
+        r["ratio"] = t_gen / r["engine_s"]
+        # compile time inside the timed runs (0 when the warm-ups covered every shape; else not steady state)
+        r["timed_compile_s"]["generator"] = gen.stats["compile_time_s"] - gen_compile_before
+        s = r["stats"]
+        print(f"{len(reqs)} requests at concurrency {N}, admit_wait {r['admit_wait']}: Engine "
+              f"{tokens / r['engine_s']:.0f} tok/s, static Generator {tokens / t_gen:.0f} tok/s ({r['ratio']:.2f}x); "
+              f"recompiles {s['recompiles']}, graph breaks {s['graph_breaks']}; in the timed run: CUDA-graph replays "
+              f"{r['timed']['cuda_graph_replays']}, recordings {r['timed']['cuda_graph_recordings']}, compile: engine "
+              f"{r['timed_compile_s']['engine']:.1f} s, Generator {r['timed_compile_s']['generator']:.1f} s")
+    first = runs[0]  # the top-level fields: the first admit_wait's run
+    return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=first["engine_s"], generator_s=t_gen,
+                engine_tok_s=tokens / first["engine_s"], generator_tok_s=tokens / t_gen, ratio=first["ratio"],
+                timed_compile_s=first["timed_compile_s"], timed=first["timed"], stats=first["stats"],
+                admit_wait_runs=[{k: v for k, v in r.items() if k != "stats"} for r in runs])
+
+
+def _engine_throughput(model, reqs, N, wait, eng_kw, device) -> dict:
+    """One engine run of every request queued at once (after two untimed runs: compiles, then graph recordings)."""
     # random prompts share no prefix; without the cache the same requests run the same steps again, so
     # running them once first compiles and records exactly the shapes the timed run takes
-    eng = Engine(model, max_running=N, admit_wait=args.admit_wait, **dict(eng_kw, prefix_cache=False))
+    eng = Engine(model, max_running=N, admit_wait=wait, **dict(eng_kw, prefix_cache=False))
     run_engine = lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs])  # noqa: E731
     run_engine()
     run_engine()  # with CUDA graphs a shape's graph is recorded on its second call
@@ -179,28 +212,8 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     before = {k: eng.stats[k] for k in ("compile_time_s", *counted)}
     t_eng = _timed(run_engine, device)
     s = eng.stats
-    timed = {k: s[k] - before[k] for k in counted}
-    tokens = sum(n for _, n in reqs)
-    print(f"engine: {len(reqs)} requests at concurrency {N} in {t_eng:.2f} s ({tokens / t_eng:.0f} tok/s), "
-          + ", ".join(f"{k} {v}" for k, v in timed.items()), flush=True)
-    gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
-    run_static = lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])  # noqa: E731
-                          for i in range(0, len(reqs), N)]
-    run_static()
-    run_static()
-    gen_compile_before = gen.stats["compile_time_s"]
-    t_gen = _timed(run_static, device)
-    # compile time inside the timed runs (0 when the warm-ups covered every shape; else the ratio is not steady state)
-    timed_compile_s = dict(engine=s["compile_time_s"] - before["compile_time_s"],
-                           generator=gen.stats["compile_time_s"] - gen_compile_before)
-    print(f"{len(reqs)} requests at concurrency {N}: Engine {tokens / t_eng:.0f} tok/s, static Generator "
-          f"{tokens / t_gen:.0f} tok/s ({t_gen / t_eng:.2f}x); recompiles {s['recompiles']}, graph breaks "
-          f"{s['graph_breaks']}; in the timed run: CUDA-graph replays {timed['cuda_graph_replays']}, recordings "
-          f"{timed['cuda_graph_recordings']}, compile: engine {timed_compile_s['engine']:.1f} s, Generator "
-          f"{timed_compile_s['generator']:.1f} s")
-    return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=t_eng, generator_s=t_gen,
-                engine_tok_s=tokens / t_eng, generator_tok_s=tokens / t_gen, ratio=t_gen / t_eng,
-                timed_compile_s=timed_compile_s, timed=timed, stats=s)
+    return dict(admit_wait=wait, engine_s=t_eng, timed={k: s[k] - before[k] for k in counted},
+                timed_compile_s=dict(engine=s["compile_time_s"] - before["compile_time_s"]), stats=dict(s))
 
 
 def _capacity(model, args, eng_kw) -> dict:

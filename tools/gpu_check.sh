@@ -8,7 +8,8 @@
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
 #           grid (benchmarks/bench_model.py, bench_spec.py); with TTFT=1 also time to first token at 1K-128K through
-#           every public path (benchmarks/bench_ttft.py, $POINTS: its --points)      -> bench_flash.*, bench_model.*
+#           every public path (benchmarks/bench_ttft.py, $POINTS: its --points; TTFT=only: that alone)
+#                                                                                       -> bench_flash.*, bench_model.*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
@@ -20,7 +21,7 @@
 #           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
 #           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
 #           serving Engine vs the static Generator (bench_engine.py) with the caches in $CACHES (default "bf16 fp8"),
-#           $PARTS (its --parts), $REQUESTS and $ADMIT_WAIT; SERVER=0: the engine alone
+#           $PARTS (its --parts), $REQUESTS and $ADMIT_WAIT (values: one engine run each); SERVER=0: the engine alone
 #                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), each op's eager host
 #           cost per call (benchmarks/bench_op_overhead.py -> bench_op_overhead.json), and the FP8 sparse
@@ -98,12 +99,13 @@ for what in "$@"; do
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
       python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;
     model)
+      ttft() { python3 benchmarks/bench_ttft.py --config flash-slice ${POINTS:+--points $POINTS} --out "$OUT/bench_ttft.json"; }
+      if [ "${TTFT:-0}" = only ]; then ttft 2>&1 | quiet | tee "$OUT/bench_ttft.log"; continue; fi
       { python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --modes graphs \
           --hf-points 1x4096 --hf-budget-s 300 --prefill-chunk 2048 --out "$OUT/bench_flash.json" || rc=1
         flash_b1 "$PWD" bench_flash_step || rc=1
         python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1
-        if [ "${TTFT:-0}" = 1 ]; then python3 benchmarks/bench_ttft.py --config flash-slice ${POINTS:+--points $POINTS} \
-          --out "$OUT/bench_ttft.json" || rc=1; fi; } 2>&1 | quiet | tee "$OUT/bench_model.log" ;;
+        if [ "${TTFT:-0}" = 1 ]; then ttft || rc=1; fi; } 2>&1 | quiet | tee "$OUT/bench_model.log" ;;
     hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
     aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
       pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
@@ -151,7 +153,7 @@ for what in "$@"; do
           for cache in ${CACHES-bf16 fp8}; do  # the serving engine vs the static Generator ($CACHES: which caches)
              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache ${PARTS:+--parts $PARTS} \
                ${REQUESTS:+--requests $REQUESTS} ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} \
-               --out "$OUT/bench_engine_$cache${ADMIT_WAIT:+_wait$ADMIT_WAIT}.json" 2>&1 | quiet || rc=1
+               --out "$OUT/bench_engine_$cache${ADMIT_WAIT:+_wait${ADMIT_WAIT// /_}}.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            python3 benchmarks/bench_op_overhead.py --device cuda --out "$OUT/bench_op_overhead.json" || rc=1
