@@ -375,6 +375,23 @@ def test_cuda_graphs_sample_the_eager_tokens_and_count_real_replays(spec_steps) 
     assert fresh.stats["cuda_graph_replays"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_steps", [0, 2])
+def test_cuda_graph_replays_sample_the_tokens_of_the_same_compiled_steps_without_graphs(spec_steps) -> None:
+    """The same Inductor kernels with and without CUDA graphs: the replays must give the same bits (the
+    eager comparison above also spans Inductor's fusions, whose float rounding differs from eager's)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = random_model(DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8), dtype=torch.float32, device="cuda")
+    kw = dict(max_batch_size=4, max_seq_len=96, prefill_chunk=16, spec_steps=spec_steps, compile=True)
+    sample_kw = dict(temperature=0.8, top_p=0.9, seed=[1, 2, 3], eos_token_id=[[], [7], []])
+    want = Generator(m, cuda_graphs=False, **kw).generate(PROMPTS, 40, **sample_kw)
+    gen = Generator(m, cuda_graphs=True, **kw)
+    gen.generate(PROMPTS, 3, **sample_kw)  # warm-up: compile + record
+    before = gen.stats["cuda_graph_replays"]
+    assert gen.generate(PROMPTS, 40, **sample_kw) == want
+    assert gen.stats["cuda_graph_replays"] > before
+
+
 @pytest.mark.parametrize("device, compiled", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
                                               pytest.param("cuda", True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("spec_steps", [0, 2])
