@@ -33,7 +33,7 @@ class Router(nn.Module):
             raise ValueError(f"Router: score_func={score_func!r} is not supported; one of {tuple(SCORE_FUNCS)}")
         self.top_k, self.route_scale, self.is_hash = top_k, route_scale, hash_vocab_size > 0
         self.score_func = score_func
-        self.weight = nn.Parameter(torch.randn(n_experts, dim) * 0.02)
+        self.weight = nn.Parameter(torch.randn(n_experts, dim, dtype=torch.float32) * 0.02)
         if self.is_hash:
             # a checkpoint overwrites it; random ids keep a freshly built model's tokens spread out
             self.register_buffer("tid2eid", torch.randint(0, n_experts, (hash_vocab_size, top_k)))
@@ -64,8 +64,9 @@ class Experts(nn.Module):
     def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 10.0):
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.randn(n_experts, 2 * inter_dim, dim) * 0.02)
-        self.down_proj = nn.Parameter(torch.randn(n_experts, dim, inter_dim) * 0.02)
+        # drawn in place: no temporary of the largest tensors of the model
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * inter_dim, dim).normal_(0, 0.02))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim).normal_(0, 0.02))
 
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """x: [T, D], indices/weights: [T, K] -> sum_k weights[:, k] * expert_{indices[:, k]}(x), fp32 [T, D].

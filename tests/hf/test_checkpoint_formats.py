@@ -611,3 +611,34 @@ def test_from_hf_shares_the_hf_tensors_when_dtype_and_device_match() -> None:
     bf16 = dsv4_ops.from_hf(hf, dtype=torch.bfloat16)  # another dtype: cast copies, HF untouched
     assert bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     assert hf.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_from_hf_draws_the_missing_mtp_block_in_the_model_dtype_without_an_fp32_copy_of_its_experts() -> None:
+    """HF keeps no MTP block, so ``from_hf`` draws a fresh one beside the model: at V4 widths its experts
+    are a layer's worth of weights, so they are drawn in the model's dtype (an fp32 draw, then a cast,
+    once needed three times their bf16 bytes on a GPU that already holds the model). The fresh block's
+    dtypes are those of a block the constructor builds in that dtype (the router stays fp32)."""
+    from torch.overrides import TorchFunctionMode
+
+    from hf_util import make_hf
+
+    hf = make_hf(DSV4Config.tiny(num_hidden_layers=2), seed=3).to(torch.bfloat16)
+    fresh = DeepseekV4ForCausalLM(DSV4Config.tiny(num_hidden_layers=2)).mtp[0].mlp.experts
+    experts = {fresh.gate_up_proj.shape, fresh.down_proj.shape}
+
+    class Factories(TorchFunctionMode):  # the dtype of every tensor of an experts' shape made off the meta device
+        made: list[torch.dtype] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not out.is_meta and out.shape in experts:
+                self.made.append(out.dtype)
+            return out
+
+    with Factories():
+        ours = dsv4_ops.from_hf(hf)
+    assert Factories.made and set(Factories.made) == {torch.bfloat16}, Factories.made
+    want = DeepseekV4ForCausalLM(DSV4Config.tiny(num_hidden_layers=2), dtype=torch.bfloat16).mtp[0]
+    assert {n: p.dtype for n, p in ours.mtp[0].named_parameters()} == {n: p.dtype for n, p in want.named_parameters()}
+    assert ours.mtp[0].mlp.gate.weight.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32  # the draw's default dtype does not leak
