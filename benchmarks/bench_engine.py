@@ -100,6 +100,8 @@ def main(argv=None) -> int:
                     help="throughput: the engine's admit_wait (iterations a freed slot waits for others to share a "
                          "prefill step; 0: admit at once, the default); several values: one engine run each, "
                          "against one static run")
+    ap.add_argument("--admit-order", nargs="+", default=["arrival"], choices=("arrival", "longest_output"),
+                    help="throughput: the engine's admit_order (several: one engine run each, times each admit-wait)")
     ap.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS,
                     help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
@@ -170,9 +172,14 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
             for _ in range(args.requests or 8 * N)]
     tokens = sum(n for _, n in reqs)
-    runs = [_engine_throughput(model, reqs, N, wait, eng_kw, device) for wait in args.admit_wait]
+    # one engine for every admission setting (they change no compiled step): random prompts share no prefix, and
+    # without the cache the same requests run the same steps again, so a run before each timed one compiles and
+    # records the shapes it takes (the first setting runs twice: with CUDA graphs a shape records on its second call)
+    eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
+    runs = [_engine_throughput(eng, reqs, dict(admit_wait=wait, admit_order=order), device, warm_runs=2 if i == 0 else 1)
+            for i, (order, wait) in enumerate((o, w) for o in args.admit_order for w in args.admit_wait)]
     for r in runs:
-        print(f"engine, admit_wait {r['admit_wait']}: {len(reqs)} requests at concurrency {N} in {r['engine_s']:.2f} s "
+        print(f"engine, {_named(r)}: {len(reqs)} requests at concurrency {N} in {r['engine_s']:.2f} s "
               f"({tokens / r['engine_s']:.0f} tok/s), " + ", ".join(f"{k} {v}" for k, v in r["timed"].items()),
               flush=True)
     gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
@@ -187,32 +194,35 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
         # compile time inside the timed runs (0 when the warm-ups covered every shape; else not steady state)
         r["timed_compile_s"]["generator"] = gen.stats["compile_time_s"] - gen_compile_before
         s = r["stats"]
-        print(f"{len(reqs)} requests at concurrency {N}, admit_wait {r['admit_wait']}: Engine "
+        print(f"{len(reqs)} requests at concurrency {N}, {_named(r)}: Engine "
               f"{tokens / r['engine_s']:.0f} tok/s, static Generator {tokens / t_gen:.0f} tok/s ({r['ratio']:.2f}x); "
               f"recompiles {s['recompiles']}, graph breaks {s['graph_breaks']}; in the timed run: CUDA-graph replays "
               f"{r['timed']['cuda_graph_replays']}, recordings {r['timed']['cuda_graph_recordings']}, compile: engine "
               f"{r['timed_compile_s']['engine']:.1f} s, Generator {r['timed_compile_s']['generator']:.1f} s")
-    first = runs[0]  # the top-level fields: the first admit_wait's run
+    first = runs[0]  # the top-level fields: the first engine run's
     return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=first["engine_s"], generator_s=t_gen,
                 engine_tok_s=tokens / first["engine_s"], generator_tok_s=tokens / t_gen, ratio=first["ratio"],
                 timed_compile_s=first["timed_compile_s"], timed=first["timed"], stats=first["stats"],
-                admit_wait_runs=[{k: v for k, v in r.items() if k != "stats"} for r in runs])
+                engine_runs=[{k: v for k, v in r.items() if k != "stats"} for r in runs])
 
 
-def _engine_throughput(model, reqs, N, wait, eng_kw, device) -> dict:
-    """One engine run of every request queued at once (after two untimed runs: compiles, then graph recordings)."""
-    # random prompts share no prefix; without the cache the same requests run the same steps again, so
-    # running them once first compiles and records exactly the shapes the timed run takes
-    eng = Engine(model, max_running=N, admit_wait=wait, **dict(eng_kw, prefix_cache=False))
+def _named(run: dict) -> str:
+    return f"admit_wait {run['admit_wait']}, admit_order {run['admit_order']}"
+
+
+def _engine_throughput(eng: Engine, reqs, admission: dict, device, warm_runs: int) -> dict:
+    """One timed run of every request queued at once, after ``warm_runs`` untimed ones, with ``admission``
+    (admit_wait, admit_order)."""
+    eng.admit_wait, eng.admit_order = admission["admit_wait"], admission["admit_order"]
     run_engine = lambda: eng.generate([p for p, _ in reqs], [n for _, n in reqs])  # noqa: E731
-    run_engine()
-    run_engine()  # with CUDA graphs a shape's graph is recorded on its second call
+    for _ in range(warm_runs):
+        run_engine()
     counted = ("finished", "cuda_graph_recordings", "cuda_graph_replays", "decode_steps", "prefill_steps", "slot_moves",
                "admissions_deferred")
     before = {k: eng.stats[k] for k in ("compile_time_s", *counted)}
     t_eng = _timed(run_engine, device)
     s = eng.stats
-    return dict(admit_wait=wait, engine_s=t_eng, timed={k: s[k] - before[k] for k in counted},
+    return dict(admission, engine_s=t_eng, timed={k: s[k] - before[k] for k in counted},
                 timed_compile_s=dict(engine=s["compile_time_s"] - before["compile_time_s"]), stats=dict(s))
 
 

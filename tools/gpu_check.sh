@@ -21,7 +21,8 @@
 #           benchmarks/bench_serve.py: random lengths at concurrency 1, 8, 64, and a 4K shared prefix at concurrency 8
 #           with the prefix cache on and off, and the engine's batch-1 decode step for the TPOT comparison; then the
 #           serving Engine vs the static Generator (bench_engine.py) with the caches in $CACHES (default "bf16 fp8"),
-#           $PARTS (its --parts), $REQUESTS and $ADMIT_WAIT (values: one engine run each); SERVER=0: the engine alone
+#           $PARTS (its --parts), $REQUESTS, $ADMIT_WAIT and $ADMIT_ORDER (values: one engine run each); SERVER=0: the
+#           engine alone
 #                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), each op's eager host
 #           cost per call (benchmarks/bench_op_overhead.py -> bench_op_overhead.json), and the FP8 sparse
@@ -152,7 +153,7 @@ for what in "$@"; do
           fi
           for cache in ${CACHES-bf16 fp8}; do  # the serving engine vs the static Generator ($CACHES: which caches)
              python3 benchmarks/bench_engine.py --config flash-slice --kv-cache-dtype $cache ${PARTS:+--parts $PARTS} \
-               ${REQUESTS:+--requests $REQUESTS} ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} \
+               ${REQUESTS:+--requests $REQUESTS} ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} ${ADMIT_ORDER:+--admit-order $ADMIT_ORDER} \
                --out "$OUT/bench_engine_$cache${ADMIT_WAIT:+_wait${ADMIT_WAIT// /_}}.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;
     ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--admit-wait", type=int, default=0,
                    help="iterations a freed slot may wait for others, so that new prompts share a prefill step")
+    p.add_argument("--admit-order", default="arrival", choices=["arrival", "longest_output"],
+                   help="which waiting request takes a free slot first (longest_output: the most tokens to generate)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
     p.add_argument("--spec-steps", type=int, default=0, help="MTP draft tokens per decode step (0: plain decode)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -69,7 +71,8 @@ def build(args):
         engine = Engine(model, max_running=args.max_running, max_seq_len=max_seq_len, num_pages=args.num_pages,
                         kv_memory_gb=args.kv_memory_gb, page_size=page_size, prefix_cache=not args.no_prefix_cache,
                         spec_steps=args.spec_steps, compile=compile, kv_cache_dtype=args.kv_cache_dtype,
-                        prefill_chunk=args.prefill_chunk, admit_wait=args.admit_wait)
+                        prefill_chunk=args.prefill_chunk, admit_wait=args.admit_wait,
+                        admit_order=args.admit_order)
     except ValueError as e:
         raise UsageError(str(e)) from None
     eos = eos_ids(path, tokenizer)

@@ -45,6 +45,7 @@ a draining batch decodes at small buckets.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,10 @@ from .spec import SpecSlots
 from .step import pool_step
 
 __all__ = ["Engine", "RequestOutput"]
+
+# admit_order -> the sort key of the waiting requests (the first one is admitted first)
+ADMIT_ORDERS = {"arrival": lambda r: r.arrival,
+                "longest_output": lambda r: (len(r.generated) - r.max_new, r.arrival)}
 
 
 class RequestOutput(NamedTuple):
@@ -166,6 +171,11 @@ class Engine:
             ``max_running``, whichever is least), so that their prompts share one prefill step: every step
             reads the weights of every expert its tokens pick, nearly all of them at a few hundred tokens.
             0 (the default): admit at once (lowest latency).
+        admit_order: which waiting request takes a free slot first: ``"arrival"`` (the default: first come,
+            first served) or ``"longest_output"`` (the most new tokens still to generate first, arrival
+            breaking ties; SGLang's "lof"). With many requests queued at once (``generate``, offline batches)
+            it ends the run with short requests instead of one long request decoding in an emptying batch,
+            where each step costs nearly what a full one does; a long request may wait behind later ones.
         overlap: launch the next plain decode step before reading the current one's tokens, so the
             host's work of an iteration runs while the GPU computes (``spec_steps=0`` only).
 
@@ -180,13 +190,16 @@ class Engine:
                  spec_steps: int = 0, compile: bool = True, cuda_graphs: bool | None = None,
                  kv_cache_dtype: str = "auto", prefill_chunk: int | None = None,
                  max_prefill_tokens: int | None = None, num_snapshots: int | None = None,
-                 snapshot_interval: int = 16, overlap: bool = True, admit_wait: int = 0) -> None:
+                 snapshot_interval: int = 16, overlap: bool = True, admit_wait: int = 0,
+                 admit_order: str = "arrival") -> None:
         cfg = model.config
         check_int("max_running", max_running, 1)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("page_size", page_size, 1)
         check_int("snapshot_interval", snapshot_interval, 1)
         check_int("admit_wait", admit_wait, 0)
+        if admit_order not in ADMIT_ORDERS:
+            raise ValueError(f"Engine: admit_order must be one of {tuple(ADMIT_ORDERS)}, got {admit_order!r}")
         check_int("spec_steps", spec_steps, 0)
         if spec_steps and len(model.mtp) == 0:
             raise ValueError(f"Engine: spec_steps={spec_steps} needs the model's MTP block, and this model has none "
@@ -219,6 +232,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
         self.admit_wait, self._deferred = admit_wait, 0  # iterations admission has waited for more free slots
+        self.admit_order = admit_order  # admit_wait and admit_order may change between runs (bench_engine.py)
         self.snapshot_interval = snapshot_interval
         # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
         self._snap_pages = max(1, prefill_chunk // page_size)
@@ -302,7 +316,7 @@ class Engine:
         req = _Request(rid, rid, row.tolist(), args.max_new[0], args.temperature[0], args.top_k[0], args.top_p[0],
                        args.seed[0], frozenset(args.eos[0]))
         self._requests[rid] = req
-        self._waiting.append(req)
+        self._queue(req)
         return rid
 
     def abort(self, request_id: int) -> None:
@@ -489,6 +503,10 @@ class Engine:
             if self.spec is not None and req.generated:  # resumed: its next token is known
                 self.spec.resume(slot, req.generated[-1], req.spec_saved)
 
+    def _queue(self, req: _Request) -> None:
+        """Put ``req`` among the waiting requests, in ``admit_order``."""
+        bisect.insort(self._waiting, req, key=ADMIT_ORDERS[self.admit_order])
+
     def _admission_due(self, ending: int = 0) -> bool | None:
         """Whether waiting requests take free slots this iteration (``ending``: of the next one, after that
         many running requests end): at once when nothing decodes, when a request is still in prefill (its
@@ -557,8 +575,7 @@ class Engine:
             req.spec_saved = self.spec.save(req.slot)  # decoding: resume with these drafts
         self._release(req)
         self._stats["preemptions"] += 1
-        self._waiting.append(req)
-        self._waiting.sort(key=lambda r: r.arrival)
+        self._queue(req)
 
     def _release(self, req: _Request) -> None:
         """Free ``req``'s slot: publish its full computed pages and snapshots, drop its references."""

@@ -544,7 +544,8 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     from benchmarks import bench_engine
 
     out = tmp_path / "engine.json"
-    assert bench_engine.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    assert bench_engine.main(["--smoke", "--device", "cpu", "--admit-order", "arrival", "longest_output",
+                              "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     # a step time by difference of two generate lengths: on shared CPU cores noise can flip its sign (it did once,
     # -124 ms), so the smoke run checks that both sides were timed, not their values
@@ -553,6 +554,9 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     t = data["throughput"]
     assert t["requests"] == 8 and t["timed"]["finished"] == 8 and t["stats"]["recompiles"] == 0
     assert t["timed_compile_s"] == dict(engine=0.0, generator=0.0)
+    runs = {r["admit_order"]: r for r in t["engine_runs"]}  # one engine, its admission changed between runs
+    assert set(runs) == {"arrival", "longest_output"} and all(r["timed"]["finished"] == 8 for r in runs.values())
+    assert runs["longest_output"]["timed"]["decode_steps"] <= runs["arrival"]["timed"]["decode_steps"]
     assert data["capacity"]["pages"] > 0
     mixed = data["capacity"]["mixed"]
     assert mixed["longest_tokens"] > mixed["per_row_longest_tokens"] > mixed["short_tokens"]

@@ -67,6 +67,7 @@ def test_abort_of_an_unknown_request_names_it(model):
     (dict(spec_steps=1.5), r"spec_steps must be an int"),
     (dict(kv_cache_dtype="int4"), r"kv_cache_dtype"),
     (dict(admit_wait=-1), r"admit_wait must be an int >= 0, got -1"),
+    (dict(admit_order="shortest"), r"admit_order must be one of \('arrival', 'longest_output'\), got 'shortest'"),
 ])
 def test_bad_engine_settings_name_the_argument(model, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -170,6 +170,28 @@ def test_admission_waiting_for_free_slots_shares_prefill_steps_and_keeps_the_tok
     assert s6["finished"] == 24 and s6["running"] == s6["waiting"] == 0
 
 
+def test_longest_output_first_admission_ends_with_short_requests_in_fewer_steps_and_keeps_the_tokens(model):
+    """``admit_order="longest_output"``: of requests queued at once, the ones with the most tokens to generate take
+    the slots first, so the run ends with short ones instead of a long one decoding alone: fewer decode steps than
+    first come first served (here the longest arrives last), each request's tokens what it gives alone (greedy and
+    sampled), the results in the order of the prompts."""
+    rng = random.Random(11)
+    prompts = random_prompts(rng, 9, (5, 16))
+    new = [3, 4, 2, 3, 4, 2, 3, 4, 24]  # the longest arrives last
+    temperature = [0.0, 0.8, 0.0] * 3
+    runs = {}
+    for order in ("arrival", "longest_output"):
+        eng = engine(model, max_running=2, admit_order=order)
+        runs[order] = (eng.generate(prompts, max_new_tokens=new, temperature=temperature, seed=3), eng.stats)
+    (fifo, s_fifo), (lof, s_lof) = runs["arrival"], runs["longest_output"]
+    assert lof == fifo == [alone(model, p, max_new_tokens=new[i], temperature=temperature[i], seed=3 + i)
+                           for i, p in enumerate(prompts)]
+    # first come: the long one starts after the 8 short ones (4 pairs of ~3 steps) and decodes 23 more steps alone;
+    # longest first: the 8 short ones (25 tokens) pass through the other slot while it decodes
+    assert s_lof["decode_steps"] <= max(new) and s_fifo["decode_steps"] >= max(new) + 8
+    assert s_lof["finished"] == s_fifo["finished"] == 9
+
+
 def test_a_freed_slot_waits_at_most_admit_wait_iterations(model):
     """Fifteen long requests decode, a short one ends and frees its slot while two requests wait (one free slot of
     16 is less than the two an admission waits for): with ``admit_wait=3`` the first of them is admitted (its
