@@ -3,7 +3,6 @@
 shard by shard onto the target device."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -418,17 +417,6 @@ def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], devi
     return out
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """``torch.get_default_dtype()`` is ``dtype`` inside (parameters created without a dtype)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCausalLM:
     """Complete a model built on the meta device whose weights were loaded with
     ``assign=True``: an MTP block the source had no weights for gets a fresh (random)
@@ -436,11 +424,15 @@ def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCaus
     parameter or buffer may be left on meta."""
     for i, blk in enumerate(model.mtp):
         if all(p.is_meta for p in blk.parameters()):
-            rope = rope_tables_for(model.config, 1, device)
+            rope, default = rope_tables_for(model.config, 1, device), torch.get_default_dtype()
             # drawn in the model's dtype: at V4 widths an fp32 draw of the block's experts (then cast) needs
             # twice the block's memory again, more than a GPU holding the model has left
-            with torch.device(device), default_dtype(model.dtype):
-                fresh = MTPBlock(model.config, rope)
+            torch.set_default_dtype(model.dtype)
+            try:
+                with torch.device(device):
+                    fresh = MTPBlock(model.config, rope)
+            finally:
+                torch.set_default_dtype(default)
             cast_non_fp32_params(fresh, model.dtype)
             model.mtp[i] = fresh
     model.materialize_buffers(device)

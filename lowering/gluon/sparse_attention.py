@@ -58,13 +58,8 @@ def sparse_attention_gluon_ws_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr,
     scale_log2e,
     N_KV, N_CMP, W, K, L,
-    sq_b, sq_h,
-    skv_b, skv_n,
-    swi_b, swi_w,
-    sc_b, sc_n,
-    sci_b, sci_k,
-    scl_b,
-    so_b, so_h,
+    sq_b, sq_h, skv_b, skv_n, swi_b, swi_w,  # strides: q, kv, window index,
+    sc_b, sc_n, sci_b, sci_k, scl_b, so_b, so_h,  # compressed kv, its index and length, out
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     NUM_SPLITS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, HELPER_REGS: gl.constexpr,
 ):
