@@ -39,6 +39,7 @@
 # at most 8 files a call; one call runs at most 10 minutes. Its copy of the checkout has no current .git: write
 # `git rev-parse --short HEAD > .commit` before the call, and gpu.txt names that commit. Wheels carried in .whl/ (a transformers with V4,
 # expecttest) are installed to /tmp/site first. The package (and its CUDA extension) is built in place once.
+# A carried .compile_cache.tar.gz (what SAVE_COMPILE_CACHE=PATH packed last time) spares the compiles it holds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"
@@ -50,6 +51,10 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+# compiles cost most of a session's device time; their caches (Inductor's, Triton's) can travel between sessions:
+# a carried .compile_cache.tar.gz is unpacked first, and with $SAVE_COMPILE_CACHE (a path) packed again at the end
+export TORCHINDUCTOR_CACHE_DIR=/tmp/dsv4_cache/inductor TRITON_CACHE_DIR=/tmp/dsv4_cache/triton
+if [ -f .compile_cache.tar.gz ]; then mkdir -p /tmp/dsv4_cache && tar xzf .compile_cache.tar.gz -C /tmp/dsv4_cache; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -195,4 +200,7 @@ for what in "$@"; do
     *) echo "unknown mode $what (tests|model|hf|aoti|spec|serve|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
+if [ -n "${SAVE_COMPILE_CACHE:-}" ] && [ -d /tmp/dsv4_cache ]; then
+  tar czf "$SAVE_COMPILE_CACHE" -C /tmp/dsv4_cache . && echo "compile cache: $(du -h "$SAVE_COMPILE_CACHE" | cut -f1)"
+fi
 exit $rc

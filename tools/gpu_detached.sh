@@ -11,7 +11,8 @@
 # $OUT as logs.tar.gz (every file the check wrote; `tar xzf` it here) and its last lines as progress.log. The check's
 # own $OUT is /root/q/out ($GPU_DETACHED_DIR: another folder); /root/q/rc holds its exit status once it ended. The tree's .commit names the commit
 # (write it before the call: the device copy has no current .git). A machine given back (idle past its hold) loses
-# the run: poll again soon after each call.
+# the run: poll again soon after each call. Once the check ended, the poll also brings back its compile caches
+# (compile_cache.tar.gz, when under 16 MB): copy it to the checkout as .compile_cache.tar.gz and carry it next time.
 set -uo pipefail
 Q=${GPU_DETACHED_DIR:-/root/q}
 WAIT=${WAIT:-540}
@@ -22,7 +23,7 @@ case ${1:-} in
     [ $# -gt 0 ] || { echo "usage: $0 start MODE [MODE ...]"; exit 2; }
     if [ -f $Q/pid ] && kill -0 "$(cat $Q/pid)" 2>/dev/null; then echo "a check is running already (pid $(cat $Q/pid))"; exit 1; fi
     rm -rf $Q && mkdir -p $Q/out && cp -a "$(dirname "$0")/.." $Q/tree || exit 1
-    (cd $Q/tree && OUT=$Q/out setsid bash -c 'bash tools/gpu_check.sh "$@"; echo $? > '$Q'/rc' _ "$@" \
+    (cd $Q/tree && OUT=$Q/out SAVE_COMPILE_CACHE=$Q/compile_cache.tar.gz setsid bash -c 'bash tools/gpu_check.sh "$@"; echo $? > '$Q'/rc' _ "$@" \
       > $Q/out/gpu_check.log 2>&1 < /dev/null & echo $! > $Q/pid)
     echo "started gpu_check.sh $* (pid $(cat $Q/pid)) in $Q/tree" ;;
   poll) ;;
@@ -32,4 +33,8 @@ for _ in $(seq $((WAIT / 5))); do [ -f $Q/rc ] && break; sleep 5; done
 mkdir -p "$OUT"
 tar czf "$OUT/logs.tar.gz" -C $Q out
 tail -40 $Q/out/gpu_check.log | tee "$OUT/progress.log"
+# the compile caches for the next session (carry it as .compile_cache.tar.gz), if it fits what a call brings back
+if [ -f $Q/compile_cache.tar.gz ] && [ "$(stat -c %s $Q/compile_cache.tar.gz)" -lt 16000000 ]; then
+  cp $Q/compile_cache.tar.gz "$OUT/compile_cache.tar.gz"
+fi
 if [ -f $Q/rc ]; then echo "gpu_check.sh ended, exit status $(cat $Q/rc)"; else echo "still running: poll again"; fi
