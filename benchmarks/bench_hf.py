@@ -8,8 +8,14 @@ the first token), so it counts HF's whole per-token loop: logits processors, sto
 mask building and the forward. ``min_new_tokens=N`` keeps a random model from stopping early.
 The Generator row is ``Generator.decode`` with CUDA graphs (benchmarks/bench_model.py's timer).
 
-    python benchmarks/bench_hf.py --out out/bench_hf.json            # GPU box
-    python benchmarks/bench_hf.py --smoke                            # tiny config, any device
+``--parts stalls`` (#47): after ``hf.enable`` and one warm-up generate (batch 1, a 1000-token prompt, 64 new
+tokens), the first call of a new prompt length (1024) and of a larger ``max_new_tokens`` (512), both within the
+pool's bucket, against the same call's steady state, with what each first call added: dynamo graphs, Triton
+compiles (Triton's compilation listener) and CUDA-graph recordings. Target: none, and each first call <= 1.2x.
+
+    python benchmarks/bench_hf.py --out out/bench_hf.json                                   # GPU box
+    python benchmarks/bench_hf.py --config flash-slice --parts stalls --out out/hf_stalls.json
+    python benchmarks/bench_hf.py --smoke                                                   # tiny config, any device
 """
 from __future__ import annotations
 
@@ -25,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402
 from benchmarks.bench_model import bench_config  # noqa: E402
+from benchmarks.random_weights import flash_slice_config  # noqa: E402
 from benchmarks.timing import time_call  # noqa: E402
-from dsv4_ops import DSV4Config, Generator  # noqa: E402
+from dsv4_ops import DSV4Config, Generator, cudagraph_replays  # noqa: E402
 
 
 def hf_model(cfg: DSV4Config, dtype, device):
@@ -110,11 +117,51 @@ def profile_host(hf, args, device, log) -> None:
     torch._dynamo.reset()
 
 
+def bench_stalls(hf, prompt: int, n: int, device, log) -> list[dict]:
+    """After one warm-up generate of ``prompt`` + ``n`` tokens with ``hf.enable``: the first call of each new
+    shape within the pool's bucket (a longer prompt, 8x the new tokens) vs its steady state (best of 2), and what
+    the first call compiled or recorded."""
+    import triton
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(7)
+    ids_of = lambda P: torch.randint(1, hf.config.vocab_size, (1, P), generator=g).to(device)  # noqa: E731
+    compiled: list[str] = []
+    dsv4_ops.hf.enable(hf)
+    cudagraph_replays.install()
+    rows = []
+    try:
+        ids = ids_of(prompt)
+        for _ in range(2):  # warm-up: compiles, then records its CUDA graphs
+            generate_s(hf, ids, torch.ones_like(ids), n)
+        triton.knobs.compilation.listener = lambda src, **kw: compiled.append(getattr(src, "name", str(src)))
+        for case, P, N in (("warm shape", prompt, n), ("new prompt length", prompt + 24, n),
+                           ("more new tokens", prompt, 8 * n)):
+            ids = ids_of(P)
+            before = (counters["stats"]["unique_graphs"], len(compiled), cudagraph_replays.recordings())
+            first = generate_s(hf, ids, torch.ones_like(ids), N)
+            added = (counters["stats"]["unique_graphs"] - before[0], len(compiled) - before[1],
+                     cudagraph_replays.recordings() - before[2])
+            steady = min(generate_s(hf, ids, torch.ones_like(ids), N) for _ in range(2))
+            rows.append(dict(case=case, prompt=P, new_tokens=N, first_s=first, steady_s=steady, ratio=first / steady,
+                             dynamo_graphs=added[0], triton_compiles=added[1], cuda_graph_recordings=added[2]))
+            log(f"  {case:<18} prompt {P}, {N} new: first {first:.3f} s, steady {steady:.3f} s ({first / steady:.2f}x); "
+                f"added {added[0]} dynamo graphs, {added[1]} Triton compiles, {added[2]} CUDA-graph recordings")
+    finally:
+        triton.knobs.compilation.listener = None
+        dsv4_ops.hf.disable(hf)
+        torch._dynamo.reset()
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--config", choices=("bench", "flash-slice"), default="bench")
+    ap.add_argument("--parts", nargs="+", choices=("steps", "stalls"), default=["steps"],
+                    help="steps: the decode step of every path; stalls: first calls of new shapes after warm-up")
     ap.add_argument("--smoke", action="store_true", help="tiny config in fp32 (CPU ok)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true",
@@ -123,16 +170,20 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("bench_hf.py: no CUDA device; on CPU run --smoke")
-    cfg = DSV4Config.tiny() if args.smoke else bench_config(2)
+    cfg = DSV4Config.tiny() if args.smoke else flash_slice_config() if args.config == "flash-slice" else bench_config(2)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         args.prompt, args.new_tokens, args.batches = 24, 8, [1, 2]
     log = lambda s: print(s, flush=True)  # noqa: E731
-    log(f"bench_hf: {'tiny' if args.smoke else 'bench'} config, {dtype}, {device}; prompt {args.prompt}, "
+    config = "tiny" if args.smoke else args.config
+    log(f"bench_hf: {config} config, {dtype}, {device}; prompt {args.prompt}, "
         f"{args.new_tokens} new tokens")
     hf = hf_model(cfg, dtype, device)
-    rows = []
-    for batch in args.batches:
+    rows, stalls = [], []
+    if "stalls" in args.parts:
+        log("stalls: first calls of new shapes after one warm-up, hf.enable (compiled on CUDA)")
+        stalls = bench_stalls(hf, 40 if args.smoke else 1000, 8 if args.smoke else 64, device, log)
+    for batch in args.batches if "steps" in args.parts else []:
         log(f"batch {batch}")
         rows.append(bench_generate(hf, "HF eager (unpatched)", batch, args.prompt, args.new_tokens, device, log))
         dsv4_ops.hf.enable(hf)
@@ -148,7 +199,8 @@ def main(argv=None) -> dict:
     if args.profile:
         profile_host(hf, args, device, log)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  torch=torch.__version__, config="tiny" if args.smoke else "bench (2 layers)", rows=rows)
+                  torch=torch.__version__, config="bench (2 layers)" if config == "bench" else config, rows=rows,
+                  stalls=stalls)
     for batch in args.batches:
         by = {r["engine"]: r["step_ms"] for r in rows if r["batch"] == batch}
         if "enabled, compiled" in by:

@@ -10,7 +10,8 @@
 #           grid (benchmarks/bench_model.py, bench_spec.py); with TTFT=1 also time to first token at 1K-128K through
 #           every public path (benchmarks/bench_ttft.py, $POINTS: its --points; TTFT=only: that alone)
 #                                                                                       -> bench_flash.*, bench_model.*
-#   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py) -> bench_hf.*
+#   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py), then on the Flash
+#           slice the first calls of new shapes after warm-up (--parts stalls)     -> bench_hf.*, bench_hf_stalls.json
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
 #           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4 min) into build/trained-gpu,
@@ -112,7 +113,9 @@ for what in "$@"; do
         flash_b1 "$PWD" bench_flash_step || rc=1
         python3 benchmarks/bench_model.py --out "$OUT/bench_model.json" || rc=1
         if [ "${TTFT:-0}" = 1 ]; then ttft || rc=1; fi; } 2>&1 | quiet | tee "$OUT/bench_model.log" ;;
-    hf) python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" 2>&1 | quiet | tee "$OUT/bench_hf.log" || rc=1 ;;
+    hf) { python3 benchmarks/bench_hf.py --out "$OUT/bench_hf.json" || rc=1
+          python3 benchmarks/bench_hf.py --config flash-slice --parts stalls --out "$OUT/bench_hf_stalls.json" || rc=1
+        } 2>&1 | quiet | tee "$OUT/bench_hf.log" ;;
     aoti) # torch 2.11: loading an AOTI package needs the system libstdc++ (newer than the one torch was linked with)
       pre=/usr/lib/x86_64-linux-gnu/libstdc++.so.6
       { LD_PRELOAD=$pre python3 benchmarks/bench_model.py --aoti --batches 1 --contexts 4096 --prefill-chunk 0 --aoti-dir /tmp/dsv4_aoti \

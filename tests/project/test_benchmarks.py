@@ -562,6 +562,20 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     assert mixed["longest_tokens"] > mixed["per_row_longest_tokens"] > mixed["short_tokens"]
 
 
+# ---- HF in place: bench_hf.py ----------------------------------------------------------------------------------------
+def test_bench_hf_smoke_times_every_path_and_the_first_calls_of_new_shapes(tmp_path):
+    from benchmarks import bench_hf
+
+    res = bench_hf.main(["--smoke", "--parts", "steps", "stalls", "--out", str(tmp_path / "hf.json")])
+    assert {(r["engine"], r["batch"]) for r in res["rows"]} == {
+        (e, b) for e in ("HF eager (unpatched)", "enabled, eager", "dsv4_ops Generator") for b in (1, 2)}
+    assert [(r["case"], r["prompt"], r["new_tokens"]) for r in res["stalls"]] == [
+        ("warm shape", 40, 8), ("new prompt length", 64, 8), ("more new tokens", 40, 64)]
+    for r in res["stalls"]:  # eager on the CPU: nothing compiles, nothing records
+        assert r["dynamo_graphs"] == r["triton_compiles"] == r["cuda_graph_recordings"] == 0
+        assert r["ratio"] == r["first_s"] / r["steady_s"] > 0
+
+
 # ---- time to first token: bench_ttft.py ------------------------------------------------------------------------------
 def test_bench_ttft_smoke_times_every_path_against_its_floor(tmp_path):
     from benchmarks import bench_ttft
