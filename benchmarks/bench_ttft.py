@@ -17,7 +17,9 @@ Floor (``prefill_floor``): ``max(flops / 790 TFLOP/s, bytes / 4.3 TB/s)`` with f
 multiplies by (every main-model weight but the embedding and the LM head, the routed experts at top-k of E) x
 tokens, the LM head for each row's last token, and attention and the indexer over the causal prompt (QK and PV over
 each query's window, top-k picks or visible HCA entries; the CSA indexer over every visible compressed key); bytes =
-every weight once. Memory: the peak of each path's timed calls (``torch.cuda.max_memory_allocated``).
+every weight once (a prompt cut into several prefill steps reads them once a step: a 4K prompt in chunks of 2048
+reads them twice). Memory: the peak of each path's timed calls (``torch.cuda.max_memory_allocated``).
+``--prefill-chunks default 4096``: the Generator and Engine points also at ``prefill_chunk=4096``.
 
     python3 benchmarks/bench_ttft.py --config flash-slice --out out/bench_ttft.json   # GPU box
     python3 benchmarks/bench_ttft.py --smoke --out /tmp/ttft.json                     # tiny config, CPU: seconds
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import sys
 import time
@@ -115,19 +118,20 @@ def prompts_of(cfg: DSV4Config, batch: int, prompt: int, seed: int) -> list[list
     return torch.randint(1, cfg.vocab_size, (batch, prompt), generator=g).tolist()
 
 
-def run_path(path: str, hf, model, cfg, batch: int, prompt: int, device, samples: int) -> dict:
-    """One path at one point: its TTFT row (or ``error``: what stopped it, e.g. out of memory)."""
+def run_path(path: str, hf, model, cfg, batch: int, prompt: int, device, samples: int, chunk: int | None = None) -> dict:
+    """One path at one point: its TTFT row (or ``error``: what stopped it, e.g. out of memory); ``chunk``: the
+    Generator's and Engine's ``prefill_chunk`` (None: their default)."""
     ids = prompts_of(cfg, batch, prompt, seed=batch * 100003 + prompt)
     try:
         if path == "generator":
             gen = Generator(model, max_batch_size=batch, max_seq_len=prompt + SLACK,
-                            compile=device.type == "cuda")
+                            compile=device.type == "cuda", prefill_chunk=chunk)
             row = time_ttft(lambda: gen.generate(ids, max_new_tokens=1), device, samples)
             row.update(prefill_steps=gen.stats["prefill_steps"], recompiles=gen.stats["recompiles"])
             del gen
         elif path == "engine":
             eng = Engine(model, max_running=batch, max_seq_len=prompt + SLACK, prefix_cache=False,
-                         compile=device.type == "cuda")
+                         compile=device.type == "cuda", prefill_chunk=chunk)
             row = time_ttft(lambda: eng.generate(ids, max_new_tokens=1), device, samples)
             row.update(recompiles=eng.stats["recompiles"])
             del eng
@@ -154,6 +158,8 @@ def main(argv=None) -> dict:
                     help="points of unpatched HF eager (default: 1x1024 1x4096)")
     ap.add_argument("--hf-budget-s", type=float, default=300.0, help="start no further HF eager point after this")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--prefill-chunks", nargs="+", default=["default"], metavar="N|default",
+                    help="generator and engine: each point at each of these prefill_chunk values (default: theirs)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager, small prompts (CPU)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", required=True)
@@ -186,25 +192,27 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
-    def record(path: str, B: int, P: int, row: dict) -> None:
+    def record(path: str, B: int, P: int, row: dict, chunk: int | None = None) -> None:
         floor = prefill_floor(weights, cfg, B, P)
-        row = dict(path=path, batch=B, prompt=P, floor=floor, **row)
+        row = dict(path=path, batch=B, prompt=P, prefill_chunk=chunk, floor=floor, **row)
         if "ms" in row:
             row["floor_fraction"] = floor["floor_ms"] / row["ms"]
             row["tokens_per_s"] = B * P / row["ms"] * 1e3
             peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.1f} GiB"
-            log(f"  {path:<10} {B} x {P:>6}: TTFT {row['ms']:9.1f} ms = {row['tokens_per_s']:8.0f} tok/s, "
+            at = f"{B} x {P:>6}" + ("" if chunk is None else f" (chunk {chunk})")
+            log(f"  {path:<10} {at}: TTFT {row['ms']:9.1f} ms = {row['tokens_per_s']:8.0f} tok/s, "
                 f"{row['floor_fraction']:.0%} of its {floor['floor_ms']:.3g} ms floor (first call "
                 f"{row['first_call_s']:.1f} s{peak})")
         else:
-            log(f"  {path:<10} {B} x {P:>6}: {row['error']}")
+            log(f"  {path:<10} {B} x {P:>6}{'' if chunk is None else f' (chunk {chunk})'}: {row['error']}")
         result["rows"].append(row)
         out.write_text(json.dumps(result, indent=1))
 
+    chunks = [None if c == "default" else int(c) for c in args.prefill_chunks]
     for path in ("generator", "engine"):
         if path in args.paths:
-            for B, P in map(point, args.points):
-                record(path, B, P, run_path(path, hf, model, cfg, B, P, device, args.samples))
+            for (B, P), chunk in itertools.product(map(point, args.points), chunks):
+                record(path, B, P, run_path(path, hf, model, cfg, B, P, device, args.samples, chunk), chunk)
     del model
     release(device)
     if "hf_enabled" in args.paths:

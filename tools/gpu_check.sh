@@ -8,7 +8,8 @@
 #   model   BENCHMARKS.md's model tables: the Flash slice's public decode at batch 1, 8 x 4K and its 4K prefill with
 #           HF transformers eager at 1 x 4K, the step inside generate at batch 1 x 4K and 32K, then the bench config's
 #           grid (benchmarks/bench_model.py, bench_spec.py); with TTFT=1 also time to first token at 1K-128K through
-#           every public path (benchmarks/bench_ttft.py, $POINTS: its --points; TTFT=only: that alone)
+#           every public path (benchmarks/bench_ttft.py, $POINTS: its --points, $CHUNKS: its --prefill-chunks;
+#           TTFT=only: that alone)
 #                                                                                       -> bench_flash.*, bench_model.*
 #   hf      HF `generate` unpatched vs dsv4_ops.hf.enable vs Generator (benchmarks/bench_hf.py), then on the Flash
 #           slice the first calls of new shapes after warm-up (--parts stalls)     -> bench_hf.*, bench_hf_stalls.json
@@ -106,7 +107,8 @@ for what in "$@"; do
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
       python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;
     model)
-      ttft() { python3 benchmarks/bench_ttft.py --config flash-slice ${POINTS:+--points $POINTS} --out "$OUT/bench_ttft.json"; }
+      ttft() { python3 benchmarks/bench_ttft.py --config flash-slice ${POINTS:+--points $POINTS} \
+                 ${CHUNKS:+--prefill-chunks $CHUNKS} --out "$OUT/bench_ttft.json"; }
       if [ "${TTFT:-0}" = only ]; then ttft 2>&1 | quiet | tee "$OUT/bench_ttft.log"; continue; fi
       { python3 benchmarks/bench_model.py --config flash-slice --batches 1 8 --contexts 4096 --modes graphs \
           --hf-points 1x4096 --hf-budget-s 300 --prefill-chunk 2048 --out "$OUT/bench_flash.json" || rc=1

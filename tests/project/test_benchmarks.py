@@ -580,12 +580,13 @@ def test_bench_hf_smoke_times_every_path_and_the_first_calls_of_new_shapes(tmp_p
 def test_bench_ttft_smoke_times_every_path_against_its_floor(tmp_path):
     from benchmarks import bench_ttft
 
-    res = bench_ttft.main(["--smoke", "--device", "cpu", "--samples", "1", "--out", str(tmp_path / "ttft.json")])
+    res = bench_ttft.main(["--smoke", "--device", "cpu", "--samples", "1", "--prefill-chunks", "default", "32",
+                           "--out", str(tmp_path / "ttft.json")])
     rows = json.loads((tmp_path / "ttft.json").read_text())["rows"]
     assert rows == json.loads(json.dumps(res["rows"]))
-    got = {(r["path"], r["batch"], r["prompt"]) for r in rows}
-    assert got == {("generator", 1, 24), ("generator", 2, 40), ("engine", 1, 24), ("engine", 2, 40),
-                   ("hf_enabled", 1, 24), ("hf_eager", 1, 24)}
+    got = {(r["path"], r["batch"], r["prompt"], r["prefill_chunk"]) for r in rows}
+    ours = {(p, b, n, c) for p in ("generator", "engine") for b, n in ((1, 24), (2, 40)) for c in (None, 32)}
+    assert got == ours | {("hf_enabled", 1, 24, None), ("hf_eager", 1, 24, None)}
     for r in rows:
         assert "error" not in r and r["ms"] > 0 and r["first_call_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["prompt"] / r["ms"] * 1e3)
