@@ -205,7 +205,10 @@ for what in "$@"; do
     *) echo "unknown mode $what (tests|model|hf|aoti|spec|serve|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
-if [ -n "${SAVE_COMPILE_CACHE:-}" ] && [ -d /tmp/dsv4_cache ]; then
-  tar czf "$SAVE_COMPILE_CACHE" -C /tmp/dsv4_cache . && echo "compile cache: $(du -h "$SAVE_COMPILE_CACHE" | cut -f1)"
+if [ -n "${SAVE_COMPILE_CACHE:-}" ] && [ -d /tmp/dsv4_cache ]; then  # packed only when it may come back (16 MB)
+  size=$(du -sm /tmp/dsv4_cache | cut -f1)
+  if [ "$size" -le 200 ]; then
+    tar czf "$SAVE_COMPILE_CACHE" -C /tmp/dsv4_cache . && echo "compile cache: $(du -h "$SAVE_COMPILE_CACHE" | cut -f1)"
+  else echo "compile cache: $size MB unpacked, not packed"; fi
 fi
 exit $rc
