@@ -2,11 +2,14 @@
 
 Every op runs on one decode token of ``DSV4Config.tiny()``'s widths (batch 1, 64 tokens of context),
 so its compute is small and the time is the call's host cost: Python glue, the dispatcher, checks,
-launch metadata, allocations and launches. Three entries per op:
+launch metadata, allocations and launches. Four entries per op:
 
 - ``wrapper``: the public, checked function (``dsv4_ops.ops.<op>``, also ``dsv4_ops.<op>``);
 - ``raw``: the registered op (``torch.ops.dsv4.<op>``), what the model's layers call;
+- ``body``: the op's implementation called directly, without the dispatcher's layers;
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
+
+Baseline rows give one plain PyTorch call on the same host (``torch.add``, ``F.linear``, ``torch.empty``).
 
 ``route`` is the path the op takes for these inputs (static: device, dtypes, shapes). Calls run under
 ``torch.inference_mode()``, as ``Generator``'s and ``Engine``'s eager steps do (it skips the custom
@@ -46,6 +49,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
 
 import torch  # noqa: E402
+from torch._library.custom_ops import OPDEFS  # noqa: E402
 
 import dsv4_ops  # noqa: E402
 from dsv4_ops import lowering  # noqa: E402
@@ -264,6 +268,16 @@ def breakdown(call: Callable[[], object], calls: int) -> dict:
     return dict(us_by_part=dict(sorted(parts.items(), key=lambda kv: -kv[1])), host_reads_per_call=counts)
 
 
+def baselines(dtype: torch.dtype, device: torch.device, args) -> list[dict]:
+    """What one plain PyTorch call costs on this host, for scale: an elementwise aten op, ``F.linear``
+    at the gemv row's widths, and an allocation."""
+    x, w = torch.randn(1, 256, dtype=dtype, device=device), torch.randn(512, 256, dtype=dtype, device=device)
+    calls = {"torch.add": lambda: torch.add(x, x), "F.linear": lambda: torch.nn.functional.linear(x, w),
+             "torch.empty": lambda: torch.empty(256, dtype=dtype, device=device)}
+    return [dict(op=name, entry="baseline", route="aten", **host_us(call, device, args.calls, args.repeats))
+            for name, call in calls.items()]
+
+
 # ---- the table --------------------------------------------------------------------------------
 def run(args) -> dict:
     device = torch.device(args.device)
@@ -277,20 +291,23 @@ def run(args) -> dict:
         wrapper, raw = getattr(dsv4, op), getattr(torch.ops.dsv4, op)
         # wrapper: the public call; raw: the op the model calls; checks: the wrapper's own cost
         # (its checks and glue), with the op stubbed to return its output
+        # body: the op's implementation called without the dispatcher (what the dispatcher's layers add)
+        body = OPDEFS[f"dsv4::{op}"]._init_fn
         entries = {"wrapper": (wrapper, contextlib.nullcontext()), "raw": (raw, contextlib.nullcontext()),
-                   "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
+                   "body": (body, contextlib.nullcontext()), "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
         for entry, (fn, context) in entries.items():
             def call(fn=fn, inputs=inputs):
                 return fn(*inputs)
             with context:
                 row = dict(op=op, entry=entry, route=route(op, inputs), **host_us(call, device, args.calls,
                                                                                   args.repeats))
-                if device.type == "cuda" and entry != "checks":
+                if device.type == "cuda" and entry in ("wrapper", "raw"):
                     row["gpu_us"] = gpu_us(call, device, args.calls, args.repeats)
             rows.append(row)
             print(f"{op:17s} {entry:8s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
                   file=sys.stderr)
-    for row in sorted((r for r in rows if r["entry"] != "checks"), key=lambda r: -r["host_us"])[: args.breakdown]:
+    rows += baselines(dtype, device, args)
+    for row in sorted((r for r in rows if r["entry"] in ("wrapper", "raw")), key=lambda r: -r["host_us"])[: args.breakdown]:
         inputs = op_inputs(row["op"], args.batch, dtype, device)
         fn = getattr(dsv4, row["op"]) if row["entry"] == "wrapper" else getattr(torch.ops.dsv4, row["op"])
         row["breakdown"] = breakdown(lambda: fn(*inputs), args.calls)

@@ -28,7 +28,8 @@
 #                                        -> bench_serve.log, bench_serve_*.json, serve_step_*.json, bench_engine_*
 #   ops     the per-op grid at 2-3 shapes per op against its floor (benchmarks/bench_ops.py), each op's eager host
 #           cost per call (benchmarks/bench_op_overhead.py -> bench_op_overhead.json), and the FP8 sparse
-#           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py)
+#           attention next to FlashMLA's V4 kernel when $FLASHMLA names its source (benchmarks/bench_flashmla.py);
+#           OVERHEAD=only: the host costs alone
 #   ab      $BASE (another checkout's root, e.g. an older commit's tree): the Flash slice's batch-1 step inside
 #           generate and the attention + indexer grid at 32K, for $BASE and for this tree, in turns ($ROUNDS, default
 #           1)                                                                          -> ab.log, ab_*.json
@@ -166,7 +167,7 @@ for what in "$@"; do
                ${REQUESTS:+--requests $REQUESTS} ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} ${ADMIT_ORDER:+--admit-order $ADMIT_ORDER} \
                --out "$OUT/bench_engine_$cache${ADMIT_WAIT:+_wait${ADMIT_WAIT// /_}}.json" 2>&1 | quiet || rc=1
            done | tee "$OUT/bench_engine.log" ;;
-    ops) { python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
+    ops) { [ "${OVERHEAD:-}" = only ] || python3 benchmarks/bench_ops.py --quick --out "$OUT/bench_ops" || rc=1
            python3 benchmarks/bench_op_overhead.py --device cuda --out "$OUT/bench_op_overhead.json" || rc=1
            if [ -n "${FLASHMLA:-}" ]; then
              build_flashmla || rc=1
