@@ -55,7 +55,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 # compiles cost most of a session's device time; their caches (Inductor's, Triton's) can travel between sessions:
-# a carried .compile_cache.tar.gz is unpacked first, and with $SAVE_COMPILE_CACHE (a path) packed again at the end
+# a carried .compile_cache.tar.gz is unpacked first, and with $SAVE_COMPILE_CACHE (a path) packed again after each mode
 export TORCHINDUCTOR_CACHE_DIR=/tmp/dsv4_cache/inductor TRITON_CACHE_DIR=/tmp/dsv4_cache/triton
 if [ -f .compile_cache.tar.gz ]; then mkdir -p /tmp/dsv4_cache && tar xzf .compile_cache.tar.gz -C /tmp/dsv4_cache; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -86,8 +86,12 @@ attn_grid() {
     --shapes flash --batches 1 64 128 --contexts 32K --kv-cache-dtype bf16 fp8 --no-ref --no-plot \
     --out "$OUT/$2") 2>&1 | quiet | grep -e "^|" -e rror
 }
+# with $SAVE_COMPILE_CACHE (a path), the compile caches are packed there after every mode (a run cut short keeps what
+# its finished modes compiled)
+save_compile_cache() { [ -z "${SAVE_COMPILE_CACHE:-}" ] || bash tools/pack_compile_cache.sh "$SAVE_COMPILE_CACHE"; }
 rc=0
 for what in "$@"; do
+  [ "$what" = "$1" ] || save_compile_cache
   echo "=== $what ($(date +%T))"
   case $what in
     tests)
@@ -206,10 +210,5 @@ for what in "$@"; do
     *) echo "unknown mode $what (tests|model|hf|aoti|spec|serve|ops|ab|profile|sweep|ncu|tp)"; rc=2 ;;
   esac
 done
-if [ -n "${SAVE_COMPILE_CACHE:-}" ] && [ -d /tmp/dsv4_cache ]; then  # packed only when it may come back (16 MB)
-  size=$(du -sm /tmp/dsv4_cache | cut -f1)
-  if [ "$size" -le 200 ]; then
-    tar czf "$SAVE_COMPILE_CACHE" -C /tmp/dsv4_cache . && echo "compile cache: $(du -h "$SAVE_COMPILE_CACHE" | cut -f1)"
-  else echo "compile cache: $size MB unpacked, not packed"; fi
-fi
+save_compile_cache
 exit $rc

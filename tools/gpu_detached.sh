@@ -11,8 +11,8 @@
 # $OUT as logs.tar.gz (every file the check wrote; `tar xzf` it here) and its last lines as progress.log. The check's
 # own $OUT is /root/q/out ($GPU_DETACHED_DIR: another folder); /root/q/rc holds its exit status once it ended. The tree's .commit names the commit
 # (write it before the call: the device copy has no current .git). A machine given back (idle past its hold) loses
-# the run: poll again soon after each call. Once the check ended, the poll also brings back its compile caches
-# (compile_cache.tar.gz, when under 16 MB): copy it to the checkout as .compile_cache.tar.gz and carry it next time.
+# the run: poll again soon after each call. A poll also brings back the compile caches the check packed after its
+# last finished mode (compile_cache.tar.gz.part*; gpu_check.sh's save_compile_cache).
 set -uo pipefail
 Q=${GPU_DETACHED_DIR:-/root/q}
 WAIT=${WAIT:-540}
@@ -33,8 +33,11 @@ for _ in $(seq $((WAIT / 5))); do [ -f $Q/rc ] && break; sleep 5; done
 mkdir -p "$OUT"
 tar czf "$OUT/logs.tar.gz" -C $Q out
 tail -40 $Q/out/gpu_check.log | tee "$OUT/progress.log"
-# the compile caches for the next session (carry it as .compile_cache.tar.gz), if it fits what a call brings back
-if [ -f $Q/compile_cache.tar.gz ] && [ "$(stat -c %s $Q/compile_cache.tar.gz)" -lt 16000000 ]; then
-  cp $Q/compile_cache.tar.gz "$OUT/compile_cache.tar.gz"
+# the compile caches for the next session: packed now while the check runs (else after its last mode), brought back when
+# packed anew since the last poll, in parts of 15 MB (a call brings back 16 MiB a file); in the checkout,
+# `cat compile_cache.tar.gz.part* > .compile_cache.tar.gz` and carry that next time
+[ -f $Q/rc ] || bash "$(dirname "$0")/pack_compile_cache.sh" $Q/compile_cache.tar.gz
+if [ -f $Q/compile_cache.tar.gz ] && [ $Q/compile_cache.tar.gz -nt $Q/cache_sent ]; then
+  split -b 15000000 -d $Q/compile_cache.tar.gz "$OUT/compile_cache.tar.gz.part" && touch $Q/cache_sent
 fi
 if [ -f $Q/rc ]; then echo "gpu_check.sh ended, exit status $(cat $Q/rc)"; else echo "still running: poll again"; fi

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Pack the GPU box's compile caches (Inductor's and Triton's, /tmp/dsv4_cache) into PATH for the next session:
+#   bash tools/pack_compile_cache.sh PATH
+# Only up to $CACHE_MAX_MB (default 22) packed: what a later device call can carry beside the tree and the wheels
+# (64 MiB a call). Both caches write a file under another name and rename it, so packing while a compile runs takes
+# whole files. gpu_check.sh packs after every mode, gpu_detached.sh at every poll.
+set -uo pipefail
+out=${1:?usage: $0 PATH}
+[ -d /tmp/dsv4_cache ] || exit 0
+tar czf "$out.$$.tmp" -C /tmp/dsv4_cache . 2>/dev/null
+[ $? -le 1 ] || { rm -f "$out.$$.tmp"; exit 0; }  # 1: a file changed while read (a compile running), the rest is whole
+mb=$(( $(stat -c %s "$out.$$.tmp") / 1000000 ))
+if [ $mb -le "${CACHE_MAX_MB:-22}" ]; then mv "$out.$$.tmp" "$out"; echo "compile cache: $mb MB packed"
+else rm -f "$out.$$.tmp"; echo "compile cache: $mb MB packed, over ${CACHE_MAX_MB:-22} MB: not kept"; fi
