@@ -5,8 +5,9 @@ so its compute is small and the time is the call's host cost: Python glue, the d
 launch metadata, allocations and launches. Four entries per op:
 
 - ``wrapper``: the public, checked function (``dsv4_ops.ops.<op>``, also ``dsv4_ops.<op>``);
-- ``raw``: the registered op (``torch.ops.dsv4.<op>``), what the model's layers call;
-- ``body``: the op's implementation called directly, without the dispatcher's layers;
+- ``direct``: ``dsv4_ops.ops.direct.dsv4.<op>``, what the model's layers call: in plain eager calls the op's
+  body without the dispatcher's Python layers (``direct.py``);
+- ``raw``: the registered op (``torch.ops.dsv4.<op>``), through the dispatcher;
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
 Baseline rows give one plain PyTorch call on the same host (``torch.add``, ``F.linear``, ``torch.empty``).
@@ -24,7 +25,7 @@ call; ``gpu_us`` is the device time of one call, timed with CUDA events while th
 the calls behind a spin kernel (so the GPU does not wait for the host, unless a call syncs). On the
 CPU everything, the reference compute included, is host time.
 
-``--breakdown N`` profiles the N slowest rows with cProfile and splits their time by where it goes
+``--breakdown N`` profiles the N slowest direct calls with cProfile and splits their time by where it goes
 (validation, host reads, the dispatcher, op-body checks, launch metadata, Triton's launcher,
 allocations, aten compute); it also counts the host reads (``.item()``, ``.tolist()``,
 ``bool(tensor)``, ``int(tensor)``) of one call.
@@ -49,12 +50,11 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
 
 import torch  # noqa: E402
-from torch._library.custom_ops import OPDEFS  # noqa: E402
 
 import dsv4_ops  # noqa: E402
 from dsv4_ops import lowering  # noqa: E402
 from dsv4_ops import ops as dsv4  # noqa: E402
-from dsv4_ops.ops import attention_sm90, topk_cuda  # noqa: E402
+from dsv4_ops.ops import attention_sm90, direct, topk_cuda  # noqa: E402
 from dsv4_ops.ops.gemv import takes_kernel as gemv_takes_kernel  # noqa: E402
 from dsv4_ops.ops.moe_gemv import takes_kernel as moe_takes_kernel  # noqa: E402
 from dsv4_ops.lowering.aten.experts import grouped_mm_supported  # noqa: E402
@@ -154,13 +154,14 @@ def host_us(call: Callable[[], object], device: torch.device, calls: int, repeat
 
 @contextlib.contextmanager
 def op_stubbed(op: str, output):
-    """``torch.ops.dsv4.<op>`` returns ``output`` without running: the wrapper's own cost remains."""
-    packet = getattr(torch.ops.dsv4, op)
-    setattr(torch.ops.dsv4, op, lambda *args: output)
+    """The op the wrapper calls (``direct.dsv4.<op>``) returns ``output`` without running: the wrapper's own
+    cost remains."""
+    real = getattr(direct.dsv4, op)
+    setattr(direct.dsv4, op, lambda *args: output)
     try:
         yield
     finally:
-        setattr(torch.ops.dsv4, op, packet)
+        setattr(direct.dsv4, op, real)
 
 
 def gpu_us(call: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
@@ -289,27 +290,27 @@ def run(args) -> dict:
     for op in args.ops:
         inputs = op_inputs(op, args.batch, dtype, device)
         wrapper, raw = getattr(dsv4, op), getattr(torch.ops.dsv4, op)
-        # wrapper: the public call; raw: the op the model calls; checks: the wrapper's own cost
-        # (its checks and glue), with the op stubbed to return its output
-        # body: the op's implementation called without the dispatcher (what the dispatcher's layers add)
-        body = OPDEFS[f"dsv4::{op}"]._init_fn
-        entries = {"wrapper": (wrapper, contextlib.nullcontext()), "raw": (raw, contextlib.nullcontext()),
-                   "body": (body, contextlib.nullcontext()), "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
+        # wrapper: the public call; direct: what the model's layers call; raw: the op through the dispatcher;
+        # checks: the wrapper's own cost (its checks and glue), with the op stubbed to return its output
+        none = contextlib.nullcontext()
+        entries = {"wrapper": (wrapper, none), "direct": (getattr(direct.dsv4, op), none), "raw": (raw, none),
+                   "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
         for entry, (fn, context) in entries.items():
             def call(fn=fn, inputs=inputs):
                 return fn(*inputs)
             with context:
                 row = dict(op=op, entry=entry, route=route(op, inputs), **host_us(call, device, args.calls,
                                                                                   args.repeats))
-                if device.type == "cuda" and entry in ("wrapper", "raw"):
+                if device.type == "cuda" and entry in ("wrapper", "direct"):
                     row["gpu_us"] = gpu_us(call, device, args.calls, args.repeats)
             rows.append(row)
             print(f"{op:17s} {entry:8s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
                   file=sys.stderr)
     rows += baselines(dtype, device, args)
-    for row in sorted((r for r in rows if r["entry"] in ("wrapper", "raw")), key=lambda r: -r["host_us"])[: args.breakdown]:
+    # the direct call is what an eager model pays per layer; the wrapper's surplus is its checks (their own rows)
+    for row in sorted((r for r in rows if r["entry"] == "direct"), key=lambda r: -r["host_us"])[: args.breakdown]:
         inputs = op_inputs(row["op"], args.batch, dtype, device)
-        fn = getattr(dsv4, row["op"]) if row["entry"] == "wrapper" else getattr(torch.ops.dsv4, row["op"])
+        fn = getattr(direct.dsv4, row["op"])
         row["breakdown"] = breakdown(lambda: fn(*inputs), args.calls)
     return dict(device=str(device), device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine(),

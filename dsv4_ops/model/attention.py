@@ -36,14 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CSA, HCA, SLIDING, DSV4Config
+from ..ops.direct import dsv4
 from ..reference import fp8_cache as fp8
 from ..reference.ops import apply_rope, physical_entries, rms_norm
 from .linear import Linear, grouped_linear
 from .plan import RingSizes, StepMeta, ring_sizes
 
 __all__ = ["Attention", "AttentionState", "RMSNorm", "Compressor", "Indexer"]
-
-dsv4 = torch.ops.dsv4
 
 
 @dataclass

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..ops.direct import dsv4
+
 __all__ = ["Linear", "grouped_linear", "fp32_linear", "FP32_SUM_MAX_TOKENS"]
 
 
@@ -24,7 +26,7 @@ class Linear(nn.Linear):
         w = self.weight
         if self.bias is not None or _needs_grad(x, w):
             return F.linear(x, w, self.bias)
-        y = torch.ops.dsv4.gemv(x.reshape(-1, 1, x.shape[-1]), w.unsqueeze(0))
+        y = dsv4.gemv(x.reshape(-1, 1, x.shape[-1]), w.unsqueeze(0))
         return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -34,7 +36,7 @@ def grouped_linear(x: Tensor, weight: Tensor) -> Tensor:
     G, N, K = weight.shape
     if _needs_grad(x, weight):
         return torch.einsum("...gk,gnk->...gn", x, weight)
-    return torch.ops.dsv4.gemv(x.reshape(-1, G, K), weight).view(*x.shape[:-1], N)
+    return dsv4.gemv(x.reshape(-1, G, K), weight).view(*x.shape[:-1], N)
 
 
 # The fp32 projections onto a few outputs (the mHC mixing weights: 24 of 4 x 4096 inputs; the routers:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..config import DSV4Config
 from ..ops import Plan  # importing the ops package registers torch.ops.dsv4.*
+from ..ops.direct import dsv4
 
 __all__ = ["RingSizes", "ring_sizes", "StepMeta", "plan_steps", "plan_step"]
 
@@ -56,7 +57,7 @@ def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int,
         raise ValueError(f"ring mode with {num_tokens} tokens needs a window ring of >= "
                          f"{cfg.sliding_window + num_tokens - 1} slots, have {rings.window}")
     lengths, n_new = lengths.to(torch.int32), n_new.to(torch.int32)
-    plan = Plan(*torch.ops.dsv4.plan(lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
+    plan = Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
                                      cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca))
     return [StepMeta(plan.step(i), lengths + i * n_new, concat) for i in range(steps)]
 

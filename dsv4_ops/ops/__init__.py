@@ -13,5 +13,8 @@ from .indexer import indexer_topk
 from .moe_gemv import moe_gemv
 from .plan import Plan, plan
 from .sinkhorn import sinkhorn
+from .direct import dsv4 as _direct
+
+_direct.add_registered()  # the model's calls of the ops just registered (direct.py)
 
 __all__ = ["Plan", "plan", "cache_write", "compress", "indexer_topk", "sparse_attention", "sinkhorn", "moe_gemv", "gemv"]

@@ -12,6 +12,7 @@ from ..reference import ops as ref
 from . import validate as v
 from . import attention_sm90 as sm90
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::sparse_attention", mutates_args=())
@@ -44,7 +45,7 @@ def _sparse_attention(
         if paged:
             picks = cmp_idx.shape[-1]
             cmp_idx, cmp_len = sm90.paged_entries(cmp, cmp_idx, cmp_len, block_table)
-        return torch.ops.dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, picks)
+        return dsv4.sparse_attention_sm90(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, picks)
     if use_triton(q):
         launches = sa.attention_launches(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, block_table=block_table)
         main, combine = launches.attention, launches.combine
@@ -100,7 +101,7 @@ def sparse_attention(
                            v.index_range_check(op, "kv_idx", kv_idx, v.entries(kv), "kv rows"),
                            v.index_range_check(op, "cmp_idx", cmp_idx, nc, "cmp entries"),
                            v.in_range_check(op, "cmp_len", cmp_len, 0, nc, f"cmp entries Nc={nc}"))
-    return torch.ops.dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, block_table)
+    return dsv4.sparse_attention(q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, scale, block_table)
 
 
 def _check_arguments(q: Tensor, kv: Tensor, kv_idx: Tensor, cmp: Tensor, cmp_idx: Tensor, cmp_len: Tensor,

@@ -11,6 +11,7 @@ from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::cache_write", mutates_args=("cache",))
@@ -75,7 +76,7 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tenso
         v.run_value_checks(v.index_range_check(op, "slots", slots, v.entries(cache, block_table), "cache rows"),
                            v.distinct_per_row_check(op, "slots", slots),
                            *v.block_table_checks(op, block_table, cache))
-    torch.ops.dsv4.cache_write(cache, values, slots, block_table)
+    dsv4.cache_write(cache, values, slots, block_table)
 
 
 def _check_arguments(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tensor | None) -> None:

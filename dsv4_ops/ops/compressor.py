@@ -11,6 +11,7 @@ from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::compress", mutates_args=("pool",))
@@ -96,7 +97,7 @@ def compress(
                          pool, ratio, overlap, block_table)
     if v.reads_values(start, emit, *v.present(block_table)):
         _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap, block_table)
-    torch.ops.dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
+    dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
                             overlap, eps, block_table)
 
 

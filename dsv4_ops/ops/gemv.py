@@ -16,6 +16,7 @@ from ..lowering.triton import gemv as gv
 from ..lowering.triton.gemv import gemv_kernel
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 # Where the GEMV beat cuBLAS on the H200 (benchmarks/bench_gemv.py): one token (at 2 tokens it wins
 # only on some shapes, from 4 it loses everywhere); rows of at least 2048 inputs; and enough output
@@ -63,7 +64,7 @@ def gemv(x: Tensor, weight: Tensor) -> Tensor:
     that dtype returns it (the module docstring says when the Triton GEMV computes it).
     """
     v.once_per_signature(_check_arguments, x, weight)
-    return torch.ops.dsv4.gemv(x, weight)
+    return dsv4.gemv(x, weight)
 
 
 def _check_arguments(x: Tensor, weight: Tensor) -> None:

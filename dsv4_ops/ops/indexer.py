@@ -12,6 +12,7 @@ from ..reference import ops as ref
 from . import validate as v
 from . import topk_cuda
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::indexer_topk", mutates_args=())
@@ -90,7 +91,7 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
         op, N = "indexer_topk", v.entries(keys, block_table)
         v.run_value_checks(*v.block_table_checks(op, block_table, keys),
                            v.in_range_check(op, "visible", visible, 0, N, f"keys entries N={N}"))
-    return torch.ops.dsv4.indexer_topk(q, weights, keys, visible, topk, block_table)
+    return dsv4.indexer_topk(q, weights, keys, visible, topk, block_table)
 
 
 def _check_arguments(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk: int,

@@ -20,6 +20,7 @@ from ..lowering.triton import moe_gemv as mg
 from ..lowering.triton.moe_gemv import moe_down_kernel, moe_gate_up_kernel
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 
 def takes_kernel(x: Tensor, w13: Tensor, n_assignments: int) -> bool:
@@ -80,7 +81,7 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     if v.reads_values(indices):
         E = w13.shape[0]
         v.run_value_checks(v.in_range_check("moe_gemv", "indices", indices, 0, E - 1, f"the experts E={E}"))
-    return torch.ops.dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))
+    return dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))
 
 
 def _check_arguments(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> None:

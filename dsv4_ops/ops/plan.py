@@ -10,6 +10,7 @@ from ..lowering.triton.plan import plan_kernel
 from ..reference import ops as ref
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::plan", mutates_args=())
@@ -91,7 +92,7 @@ def plan(
                            v.in_range_check(op, "lengths", lengths, 0, 2**31 - 1, "int32"),
                            v.in_range_check(op, "lengths + steps * n_new", last, 0, 2**31 - 1,
                                             "the int32 position range"))
-    return Plan(*torch.ops.dsv4.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
+    return Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
                                      csa_ratio, csa_ring, hca_ratio, hca_ring))
 
 

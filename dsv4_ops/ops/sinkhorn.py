@@ -8,6 +8,7 @@ from ..lowering.triton.sinkhorn import sinkhorn_kernel
 from ..reference import ops as ref
 from . import validate as v
 from ._backend import use_triton
+from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::sinkhorn", mutates_args=())
@@ -36,7 +37,7 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     Returns fp32 ``[..., N, N]``, contiguous. On CUDA one Triton launch runs the whole loop.
     """
     v.once_per_signature(_check_arguments, comb, iters)
-    return torch.ops.dsv4.sinkhorn(comb, iters, float(eps))
+    return dsv4.sinkhorn(comb, iters, float(eps))
 
 
 def _check_arguments(comb: Tensor, iters: int) -> None:

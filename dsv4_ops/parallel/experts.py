@@ -27,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from ..model.moe import Experts
+from ..ops.direct import dsv4
 
 __all__ = ["ExpertShard"]
 
@@ -48,7 +49,7 @@ class ExpertShard(Experts):
         # them), so other ranks' assignments cost nothing here
         local = indices - self.first
         local = torch.where((local >= 0) & (local < self.n_local), local, -1)
-        partial = torch.ops.dsv4.moe_gemv(x, local, weights, self.gate_up_proj, self.down_proj,
+        partial = dsv4.moe_gemv(x, local, weights, self.gate_up_proj, self.down_proj,
                                           float(self.swiglu_limit))
         return funcol.all_reduce(partial, "sum", self.group)
 

@@ -5,8 +5,10 @@ for the ops without value checks); the raw ``torch.ops.dsv4`` ops, what the mode
 nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``); launch
 configurations are memoised, each call getting its own dict. Also a smoke run of
 benchmarks/bench_op_overhead.py."""
+import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import dsv4_ops
 from dsv4_ops import ops
 from dsv4_ops.lowering.triton import sparse_attention as sa
 from dsv4_ops.lowering.triton.launch import cached_config
-from dsv4_ops.ops import validate
+from dsv4_ops.ops import direct, validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is a package at the repo root
 from benchmarks import bench_op_overhead as bench  # noqa: E402
@@ -140,9 +142,94 @@ def test_bench_op_overhead_cpu_smoke(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["op"], r["entry"]) for r in rows] == [(op, entry) for op in ("plan", "gemv")
-                                                      for entry in ("wrapper", "raw", "checks")]
+                                                      for entry in ("wrapper", "direct", "raw", "checks")] + \
+        [(op, "baseline") for op in ("torch.add", "F.linear", "torch.empty")]
     assert all(r["host_us"] > 0 and r["host_us_best"] <= r["host_us"] and r["cpu_us"] >= 0 for r in rows)
-    assert isinstance(torch.ops.dsv4.plan, torch._ops.OpOverloadPacket)  # the checks row's stub is gone
-    assert {r["route"] for r in rows} == {"reference (aten)", "F.linear"}
+    assert isinstance(direct.dsv4.plan, direct.DirectOp)  # the checks row's stub is gone
+    assert {r["route"] for r in rows} == {"reference (aten)", "F.linear", "aten"}
     profiled = [r for r in rows if "breakdown" in r]
     assert len(profiled) == 1 and profiled[0]["breakdown"]["us_by_part"]
+
+
+# ---- the model's calls: the op's body in plain eager calls, the registered op where anything watches --------------
+@contextlib.contextmanager
+def counting_dispatched(op: str):
+    """Count the calls of ``op`` that ``direct.dsv4`` routes through the registered op (the dispatcher)."""
+    direct_op, calls = getattr(direct.dsv4, op), []
+    real = direct_op.op
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    direct_op.op = counted
+    try:
+        yield calls
+    finally:
+        direct_op.op = real
+
+
+@pytest.mark.parametrize("grad_mode", [torch.inference_mode, torch.no_grad])
+@pytest.mark.parametrize("op", bench.OPS)
+def test_plain_eager_calls_run_the_body_with_the_registered_ops_bits(op, grad_mode):
+    with grad_mode():
+        args = bench.op_inputs(op, 2, torch.float32, CPU)
+        copies = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        with counting_dispatched(op) as calls:
+            got = getattr(direct.dsv4, op)(*args)
+        want = getattr(torch.ops.dsv4, op)(*copies)
+    assert calls == []
+    for g, w in zip(torch.utils._pytree.tree_leaves((got, args)), torch.utils._pytree.tree_leaves((want, copies))):
+        if isinstance(g, torch.Tensor):
+            assert torch.equal(g, w)  # outputs and mutated arguments alike
+
+
+def test_a_mutating_call_bumps_the_mutated_arguments_version_as_the_dispatcher_does():
+    with torch.no_grad():
+        cache, values, slots = bench.op_inputs("cache_write", 1, torch.float32, CPU)
+        before = cache._version
+        direct.dsv4.cache_write(cache, values, slots)
+        bumped = cache._version - before
+        torch.ops.dsv4.cache_write(cache, values, slots)
+        assert bumped == cache._version - before - bumped >= 1
+
+
+def test_calls_that_something_watches_go_through_the_registered_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(1, 1, 32), torch.randn(1, 8, 32)
+    with counting_dispatched("gemv") as calls:
+        with torch.inference_mode():
+            direct.dsv4.gemv(x, w)
+        assert len(calls) == 0
+        with Passing():
+            direct.dsv4.gemv(x, w)
+        assert len(calls) == 1
+        with FakeTensorMode() as mode:
+            direct.dsv4.gemv(mode.from_tensor(x), mode.from_tensor(w))
+        assert len(calls) == 2
+        with warnings.catch_warnings():  # the op has no autograd formula: the dispatcher warns
+            warnings.simplefilter("ignore")
+            direct.dsv4.gemv(x, w.requires_grad_())
+        assert len(calls) == 3
+        direct.dsv4.gemv(x, w.detach())  # grad enabled, nothing requires it: the body
+        assert len(calls) == 3
+
+
+def test_a_compiled_call_is_the_registered_op_in_the_graph():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x, w = torch.randn(1, 1, 32), torch.randn(1, 8, 32)
+    got = torch.compile(lambda x, w: direct.dsv4.gemv(x, w) * 2, backend=backend, fullgraph=True)(x, w)
+    assert torch.equal(got, torch.ops.dsv4.gemv(x, w) * 2)
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.dsv4.gemv in targets

@@ -1,0 +1,52 @@
+"""``dsv4.<op>(...)``: how the model's layers and the public wrappers call the ``torch.ops.dsv4`` ops.
+
+The dispatcher's Python layers between ``torch.ops.dsv4.<op>`` and the op's body (custom_op's backend wrapper, a
+dynamo-disable frame, triton_op's ``wrap_triton`` switch, the aliasing check; outside inference mode the autograd and
+ADInplaceOrView kernels too) cost 6-19 µs a call on the H100 box, as much as a small op's launch. They matter only
+where something watches the call: torch.compile or export tracing, a dispatch or function mode, functorch, tensor
+subclasses, autograd recording; there the call is the registered op. A plain eager call runs the body the dispatcher
+would reach and bumps the mutated arguments' version counters as ADInplaceOrView does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._library.custom_ops import OPDEFS
+
+
+def _watched(args: tuple) -> bool:
+    if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
+            or torch._C._are_functorch_transforms_active()):
+        return True
+    grad = torch.is_grad_enabled()
+    return any(type(a) is not Tensor or (grad and a.requires_grad) for a in args if isinstance(a, Tensor))
+
+
+class DirectOp:
+    __slots__ = ("op", "body", "mutated")
+
+    def __init__(self, name: str):
+        self.op = getattr(torch.ops.dsv4, name)
+        self.body = OPDEFS[f"dsv4::{name}"]._init_fn  # the body with wrap_triton off, as the dispatcher runs it
+        self.mutated = tuple(i for i, a in enumerate(self.op.default._schema.arguments)
+                             if a.alias_info is not None and a.alias_info.is_write)
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or kwargs or _watched(args):
+            return self.op(*args, **kwargs)
+        if self.mutated:
+            torch._C._increment_version(tuple(args[i] for i in self.mutated if i < len(args) and args[i] is not None))
+        return self.body(*args)
+
+
+class DirectOps:
+    """A :class:`DirectOp` per registered ``dsv4`` op, made once ``dsv4_ops.ops`` registered them all."""
+
+    def add_registered(self) -> None:
+        for qualname in list(OPDEFS):
+            namespace, name = qualname.split("::")
+            if namespace == "dsv4":
+                setattr(self, name, DirectOp(name))
+
+
+dsv4 = DirectOps()
