@@ -198,8 +198,6 @@ class Engine:
         check_int("page_size", page_size, 1)
         check_int("snapshot_interval", snapshot_interval, 1)
         check_int("admit_wait", admit_wait, 0)
-        if admit_order not in ADMIT_ORDERS:
-            raise ValueError(f"Engine: admit_order must be one of {tuple(ADMIT_ORDERS)}, got {admit_order!r}")
         check_int("spec_steps", spec_steps, 0)
         if spec_steps and len(model.mtp) == 0:
             raise ValueError(f"Engine: spec_steps={spec_steps} needs the model's MTP block, and this model has none "
@@ -232,6 +230,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
         self.admit_wait, self._deferred = admit_wait, 0  # iterations admission has waited for more free slots
+        self._waiting: list[_Request] = []
+        self._waiting_order = "arrival"
         self.admit_order = admit_order  # admit_wait and admit_order may change between runs (bench_engine.py)
         self.snapshot_interval = snapshot_interval
         # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
@@ -286,7 +286,6 @@ class Engine:
         self._ahead: tuple[list[_Request], torch.Tensor] | None = None  # a decode step launched, not read
         self._params_made: dict[tuple, tuple] = {}  # rows' request ids -> what _params made for them
         self._requests: dict[int, _Request] = {}
-        self._waiting: list[_Request] = []
         self._slots: list[_Request | None] = [None] * max_running
         self._next_id = 0
         self._stats = dict(steps=0, prefill_steps=0, decode_steps=0, prompt_tokens=0, prefix_hit_tokens=0,
@@ -502,6 +501,18 @@ class Engine:
                     t[slot].copy_(store[snap])
             if self.spec is not None and req.generated:  # resumed: its next token is known
                 self.spec.resume(slot, req.generated[-1], req.spec_saved)
+
+    @property
+    def admit_order(self) -> str:
+        return self._waiting_order
+
+    @admit_order.setter
+    def admit_order(self, order: str) -> None:
+        """Checked, and the requests already waiting re-sorted in the new order."""
+        if order not in ADMIT_ORDERS:
+            raise ValueError(f"Engine: admit_order must be one of {tuple(ADMIT_ORDERS)}, got {order!r}")
+        self._waiting_order = order
+        self._waiting.sort(key=ADMIT_ORDERS[order])
 
     def _queue(self, req: _Request) -> None:
         """Put ``req`` among the waiting requests, in ``admit_order``."""

@@ -192,6 +192,22 @@ def test_longest_output_first_admission_ends_with_short_requests_in_fewer_steps_
     assert s_lof["finished"] == s_fifo["finished"] == 9
 
 
+def test_admit_order_changed_while_requests_wait_sorts_them_again_and_is_checked(model):
+    """Requests queued in arrival order, then ``admit_order`` set to ``"longest_output"`` before the first step: the
+    longest of them takes the one slot first; a value that is no order is refused by name and changes nothing."""
+    eng = engine(model, max_running=1)
+    prompts = random_prompts(random.Random(5), 3, (5, 9))
+    ids = [eng.add_request(p, max_new_tokens=n) for p, n in zip(prompts, (2, 3, 6))]
+    eng.admit_order = "longest_output"
+    with pytest.raises(ValueError, match=r"admit_order must be one of \('arrival', 'longest_output'\), got 'lifo'"):
+        eng.admit_order = "lifo"
+    assert eng.admit_order == "longest_output"
+    finished = []
+    while eng.has_unfinished():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert finished == [ids[2], ids[1], ids[0]]
+
+
 def test_a_freed_slot_waits_at_most_admit_wait_iterations(model):
     """Fifteen long requests decode, a short one ends and frees its slot while two requests wait (one free slot of
     16 is less than the two an admission waits for): with ``admit_wait=3`` the first of them is admitted (its
