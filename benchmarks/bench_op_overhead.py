@@ -10,7 +10,9 @@ launch metadata, allocations and launches. Four entries per op:
 - ``raw``: the registered op (``torch.ops.dsv4.<op>``), through the dispatcher;
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
-Baseline rows give one plain PyTorch call on the same host (``torch.add``, ``F.linear``, ``torch.empty``).
+Baseline rows give one plain PyTorch call on the same host (``torch.add``, ``F.linear``, ``torch.empty``). On
+CUDA two more rows per op time its Triton launches alone: through Triton's JIT, as the body launches them, and
+through the compiled kernels' own launchers (what a launch cache would pay; ``same_bits``: they wrote the same).
 
 ``route`` is the path the op takes for these inputs (static: device, dtypes, shapes). Calls run under
 ``torch.inference_mode()``, as ``Generator``'s and ``Engine``'s eager steps do (it skips the custom
@@ -45,7 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` and `dsv4_ops`
 
@@ -183,6 +185,91 @@ def gpu_us(call: Callable[[], object], device: torch.device, calls: int, repeats
     return statistics.median(runs)
 
 
+# ---- the Triton launches alone ----------------------------------------------------------------
+class Launch(NamedTuple):
+    kernel: object  # the @triton.jit function
+    grid: tuple
+    args: tuple
+    meta: dict
+    compiled: object  # the CompiledKernel the JIT launch ran
+
+
+@contextlib.contextmanager
+def recording_launches(launches: list):
+    """Every ``wrap_triton(kernel)[grid](*args, **meta)`` of the op bodies runs as usual and is recorded."""
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("dsv4_ops.ops.") and hasattr(m, "wrap_triton")]
+    real = torch.library.wrap_triton
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                compiled = self.kernel[grid](*args, **meta)
+                launches.append(Launch(self.kernel, tuple(grid), args, meta, compiled))
+                return compiled
+            return launch
+
+    for m in modules:
+        m.wrap_triton = Recording
+    try:
+        yield launches
+    finally:
+        for m in modules:
+            m.wrap_triton = real
+
+
+def compiled_launcher(launch: Launch) -> Callable[[], None]:
+    """The launch through its compiled kernel's launcher, skipping Triton's JIT dispatch (argument binding,
+    specialisation, cache key, knobs): every parameter in order, constexprs included, as ``JITFunction.run`` passes
+    them."""
+    k, names = launch.compiled, [p.name for p in launch.kernel.params]
+    bound = {**dict(zip(names, launch.args)), **{n: v for n, v in launch.meta.items() if n in names}}
+    values = [bound[n] if n in bound else p.default for n, p in zip(names, launch.kernel.params)]
+    g = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    run, function, packed = k.run, k.function, k.packed_metadata
+
+    def call() -> None:
+        run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream, function, packed, None, None, None, *values)
+    return call
+
+
+def launch_rows(op: str, inputs: tuple, device: torch.device, args) -> list[dict]:
+    """What the op's Triton launches cost alone: replayed through Triton's JIT (``kernel[grid](...)``, what the body
+    does) and through the compiled kernels' launchers. The second replay must write the first one's bits into the
+    tensors the body allocated (filled with a sentinel in between)."""
+    launches: list[Launch] = []
+    with recording_launches(launches):
+        getattr(direct.dsv4, op)(*inputs)
+    launches = [la for la in launches if hasattr(la.compiled, "packed_metadata")]
+    if not launches:
+        return []
+    jit = [lambda la=la: la.kernel[la.grid](*la.args, **la.meta) for la in launches]
+    fast = [compiled_launcher(la) for la in launches]
+    inputs_at = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    made = {id(t): t for la in launches for t in la.args
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_at}
+    for call in jit:
+        call()
+    want = {i: t.clone() for i, t in made.items()}
+    for t in made.values():
+        t.fill_(float("nan") if t.is_floating_point() else 77)
+    for call in fast:
+        call()
+    same = all(torch.equal(t, want[i]) or (t.is_floating_point() and torch.allclose(t, want[i], equal_nan=True))
+               for i, t in made.items())
+    rows = []
+    for entry, calls in (("triton jit", jit), ("compiled launcher", fast)):
+        def replay(calls=calls):
+            for c in calls:
+                c()
+        rows.append(dict(op=op, entry=entry, route=f"{len(launches)} launch(es), {'same' if same else 'OTHER'} bits",
+                         **host_us(replay, device, args.calls, args.repeats), same_bits=same))
+    return rows
+
+
 # ---- where the host time goes -----------------------------------------------------------------
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__")
 
@@ -306,6 +393,8 @@ def run(args) -> dict:
             rows.append(row)
             print(f"{op:17s} {entry:8s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
                   file=sys.stderr)
+        if device.type == "cuda":
+            rows += launch_rows(op, inputs, device, args)
     rows += baselines(dtype, device, args)
     # the direct call is what an eager model pays per layer; the wrapper's surplus is its checks (their own rows)
     for row in sorted((r for r in rows if r["entry"] == "direct"), key=lambda r: -r["host_us"])[: args.breakdown]:

@@ -5,6 +5,7 @@ for the ops without value checks); the raw ``torch.ops.dsv4`` ops, what the mode
 nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``); launch
 configurations are memoised, each call getting its own dict. Also a smoke run of
 benchmarks/bench_op_overhead.py."""
+import argparse
 import contextlib
 import json
 import sys
@@ -116,6 +117,18 @@ def test_raw_op_never_syncs_on_cuda(op):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", bench.OPS)
+def test_the_bench_replays_the_ops_launches_through_the_compiled_launchers_with_the_same_bits(op):
+    """bench_op_overhead's launch rows: Triton's JIT and the compiled kernels' launchers write the same bits."""
+    device = torch.device("cuda")
+    rows = bench.launch_rows(op, bench.op_inputs(op, 1, torch.bfloat16, device), device,
+                             argparse.Namespace(calls=3, repeats=1))
+    assert [r["entry"] for r in rows] in ([], ["triton jit", "compiled launcher"])
+    assert all(r["same_bits"] for r in rows)
+    assert rows or op == "gemv"  # only the F.linear route launches no Triton kernel at these widths
 
 
 def test_launch_configs_are_memoised_and_each_call_gets_its_own_dict():
