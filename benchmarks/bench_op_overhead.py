@@ -11,8 +11,9 @@ launch metadata, allocations and launches. Four entries per op:
 - ``checks``: the wrapper with the op stubbed to return its output: what the wrapper adds.
 
 Baseline rows give one plain PyTorch call on the same host (``torch.add``, ``F.linear``, ``torch.empty``). On
-CUDA two more rows per op time its Triton launches alone: through Triton's JIT, as the body launches them, and
-through the compiled kernels' own launchers (what a launch cache would pay; ``same_bits``: they wrote the same).
+CUDA three more rows per op time its Triton launches alone: through Triton's JIT, as the body launches them; the
+JIT's argument binding and specialisation alone; and through the compiled kernels' own launchers (what a launch
+cache would pay; ``same_bits``: they wrote what the JIT launches wrote).
 
 ``route`` is the path the op takes for these inputs (static: device, dtypes, shapes). Calls run under
 ``torch.inference_mode()``, as ``Generator``'s and ``Engine``'s eager steps do (it skips the custom
@@ -260,8 +261,11 @@ def launch_rows(op: str, inputs: tuple, device: torch.device, args) -> list[dict
         call()
     same = all(torch.equal(t, want[i]) or (t.is_floating_point() and torch.allclose(t, want[i], equal_nan=True))
                for i, t in made.items())
+    # the JIT's argument binding and specialisation alone (a launch cache keyed like the JIT would still pay it)
+    binders = [la.kernel.device_caches[torch.cuda.current_device()][4] for la in launches]
+    bind = [lambda b=b, la=la: b(*la.args, **la.meta) for b, la in zip(binders, launches)]
     rows = []
-    for entry, calls in (("triton jit", jit), ("compiled launcher", fast)):
+    for entry, calls in (("triton jit", jit), ("jit binder", bind), ("compiled launcher", fast)):
         def replay(calls=calls):
             for c in calls:
                 c()
