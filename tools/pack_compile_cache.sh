@@ -7,7 +7,7 @@
 set -uo pipefail
 out=${1:?usage: $0 PATH}
 [ -d /tmp/dsv4_cache ] || exit 0
-# a Triton kernel loads from its metadata (.json) and binary (.cubin) and PTX (tests read it); its other intermediate IRs are left behind
+# a Triton kernel loads from its metadata (.json) and binary (.cubin); tests read its PTX; its other IRs stay behind
 tar czf "$out.$$.tmp" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
   -C /tmp/dsv4_cache . 2>/dev/null
 [ $? -le 1 ] || { rm -f "$out.$$.tmp"; exit 0; }  # 1: a file changed while read (a compile running), the rest is whole
