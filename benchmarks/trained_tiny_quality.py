@@ -79,9 +79,13 @@ def hf_parity(path: str, model, stream: torch.Tensor, tokens: int) -> None:
     del hf
 
 
-def routing(model, windows: torch.Tensor) -> dict[int, tuple[float, float]]:
+SPAN = 5  # a speculative step at k = 4 verifies 5 consecutive tokens
+
+
+def routing(model, windows: torch.Tensor) -> dict[int, tuple[float, float, list[float]]]:
     """Per learned-routed layer: (mean fraction of the K routed experts token t+1 shares with
-    token t, the busiest expert's share of the picks times E: 1 = perfectly balanced)."""
+    token t, the busiest expert's share of the picks times E: 1 = perfectly balanced, the mean number
+    of distinct experts w consecutive tokens pick for w = 1 .. SPAN: what a step verifying them reads)."""
     picks, hooks = {}, []
     for i, layer in enumerate(model.model.layers):
         if not layer.mlp.is_hash:
@@ -96,7 +100,8 @@ def routing(model, windows: torch.Tensor) -> dict[int, tuple[float, float]]:
     for i, idx in picks.items():
         onehot = F.one_hot(idx, E).sum(-2).clamp(max=1).view(B, S, E)  # [B, S, E] experts of each token
         shared = ((onehot[:, 1:] & onehot[:, :-1]).sum(-1).float() / idx.shape[-1]).mean().item()
-        out[i] = shared, (torch.bincount(idx.flatten(), minlength=E).max() * E / idx.numel()).item()
+        distinct = [onehot.unfold(1, w, 1).amax(-1).sum(-1).float().mean().item() for w in range(1, SPAN + 1)]
+        out[i] = shared, (torch.bincount(idx.flatten(), minlength=E).max() * E / idx.numel()).item(), distinct
     return out
 
 
@@ -124,6 +129,15 @@ def main() -> int:
     for i in trained:
         print(f"  layer {i}: trained {trained[i][0]:.3f}, at initialisation {initial[i][0]:.3f} (busiest expert: "
               f"{trained[i][1]:.2f} x its fair share trained, {initial[i][1]:.2f} at initialisation)")
+    # the routed experts a step of w tokens reads (batch 1: plain decode w = 1, speculative k: w = k + 1), averaged over
+    # the layers, against independent picks: the routed-bytes floor of a speculative step over a plain one's
+    mean = lambda r, w: sum(v[2][w - 1] for v in r.values()) / len(r)  # noqa: E731
+    print("routed experts a step of w consecutive tokens reads per layer (routed-bytes floor vs a plain step):")
+    for w in range(1, SPAN + 1):
+        independent = E * (1 - (1 - K / E) ** w)
+        print(f"  w = {w} (k = {w - 1}): trained {mean(trained, w):.2f} ({mean(trained, w) / K:.2f}x), "
+              f"at initialisation {mean(initial, w):.2f} ({mean(initial, w) / K:.2f}x), "
+              f"independent picks {independent:.2f} ({independent / K:.2f}x)")
     return 0
 
 
