@@ -7,6 +7,7 @@ Checked: held-out perplexity far below the unigram baseline; HF transformers' ow
 ``DeepseekV4ForCausalLM.from_pretrained`` gives our logits; greedy speculative decoding with the
 TRAINED MTP block gives the plain greedy tokens and accepts most drafts; speculative sampling
 keeps the exact distribution of plain sampling; the FP8 cache numerics barely move perplexity;
+consecutive tokens share experts, so a speculative step reads fewer than independent picks would;
 the tokenizer round-trips any text; and ``train_tiny`` is deterministic (same seed, same bytes).
 """
 from __future__ import annotations
@@ -156,6 +157,23 @@ ROUND_TRIP = [
     "combining é (e\u0301) ñ, RTL שלום عربى, zero width \u200b\u200d", "\x00\x01\x7f bytes \ufffd \U0010ffff",
     'def f(x: int = 3) -> "str":\n\tif x:\n\t\treturn f"{x!r:>10}"  # comment\n    pass\n\n\n',
 ]
+
+
+def test_routing_on_real_text_counts_the_experts_a_speculative_step_reads(model, corpus) -> None:
+    """benchmarks/trained_tiny_quality.py's routing numbers: a step of one token reads its K experts, a step of w
+    consecutive tokens at most min(E, w K), more as w grows; the trained routers' consecutive tokens share more of
+    their experts than independent picks would, so such a step reads fewer experts than independent picks'
+    expectation E (1 - (1 - K / E)^w)."""
+    from benchmarks import trained_tiny_quality as quality
+
+    K, E = model.config.num_experts_per_tok, model.config.n_routed_experts
+    layers = quality.routing(model, heldout_windows(corpus, 4))
+    assert layers and all(0 <= shared <= 1 and busiest >= 1 for shared, busiest, _ in layers.values())
+    for shared, _, distinct in layers.values():
+        assert len(distinct) == quality.SPAN and distinct[0] == pytest.approx(K)
+        assert all(a < b <= min(E, (w + 2) * K) for w, (a, b) in enumerate(zip(distinct, distinct[1:])))
+    mean = [sum(d[2][w] for d in layers.values()) / len(layers) for w in range(quality.SPAN)]
+    assert all(m < E * (1 - (1 - K / E) ** (w + 1)) for w, m in enumerate(mean) if w > 0)
 
 
 def test_tokenizer_round_trips_unicode_whitespace_and_code(tok, corpus) -> None:
