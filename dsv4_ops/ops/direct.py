@@ -14,12 +14,22 @@ from torch import Tensor
 from torch._library.custom_ops import OPDEFS
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)  # a Parameter dispatches as a plain tensor (its __torch_function__ is off)
+_VALUES = (int, float, bool, str, type(None))
+
+
 def _watched(args: tuple) -> bool:
     if (torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
             or torch._C._are_functorch_transforms_active()):
         return True
     grad = torch.is_grad_enabled()
-    return any(type(a) is not Tensor or (grad and a.requires_grad) for a in args if isinstance(a, Tensor))
+    for a in args:
+        if type(a) in _PLAIN:
+            if grad and a.requires_grad:
+                return True
+        elif type(a) not in _VALUES:  # a tensor subclass, an FX proxy, a SymInt
+            return True
+    return False
 
 
 class DirectOp:

@@ -232,6 +232,15 @@ def test_calls_that_something_watches_go_through_the_registered_op():
         assert len(calls) == 3
         direct.dsv4.gemv(x, w.detach())  # grad enabled, nothing requires it: the body
         assert len(calls) == 3
+        with torch.no_grad():
+            direct.dsv4.gemv(x, torch.nn.Parameter(w.detach()))  # a module's weight, as the model passes it: the body
+        assert len(calls) == 3
+
+        class Subclass(torch.Tensor):
+            pass
+
+        direct.dsv4.gemv(x.as_subclass(Subclass), w.detach())  # a tensor subclass may override anything: the op
+        assert len(calls) == 4
 
 
 def test_a_compiled_call_is_the_registered_op_in_the_graph():
