@@ -34,6 +34,7 @@ from benchmarks.bench_model import bench_config  # noqa: E402
 from benchmarks.random_weights import flash_slice_config  # noqa: E402
 from benchmarks.timing import time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator, cudagraph_replays  # noqa: E402
+from dsv4_ops.checkpoint import building_in  # noqa: E402
 
 
 def hf_model(cfg: DSV4Config, dtype, device):
@@ -43,13 +44,8 @@ def hf_model(cfg: DSV4Config, dtype, device):
 
     torch.manual_seed(0)
     hcfg = cfg.to_hf()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in ``dtype``: the Flash slice in fp32 first would not fit one GPU
-    try:
-        with torch.device(device):
-            hf = DeepseekV4ForCausalLM(hcfg).to(dtype).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with building_in(dtype, device):  # built in ``dtype``: the Flash slice in fp32 first would not fit one GPU
+        hf = DeepseekV4ForCausalLM(hcfg).to(dtype).eval()
     with torch.no_grad():  # HF leaves these empty / zero; give them sane values
         for name, p in hf.named_parameters():
             if name.endswith(("sinks", "position_bias")):

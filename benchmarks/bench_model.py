@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from benchmarks.kernel_bench.roofline import HBM_BYTES_PER_S  # noqa: E402
 from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
+from dsv4_ops.checkpoint import building_in  # noqa: E402
 from dsv4_ops.reference import fp8_cache  # noqa: E402
 from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
 
@@ -324,13 +325,8 @@ def bench_hf(cfg, batch: int, ctx: int, dtype, device, args, log, chunk: int) ->
     torch.manual_seed(0)
     hcfg = cfg.to_hf(attn_implementation="eager")
     hcfg._experts_implementation = "eager"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in the bench dtype: an fp32 Flash slice would not fit the GPU
-    try:
-        with torch.device(device):
-            hf = HF(hcfg).to(dtype=dtype).eval()
-    finally:
-        torch.set_default_dtype(default)
+    with building_in(dtype, device):  # built in the bench dtype: an fp32 Flash slice would not fit the GPU
+        hf = HF(hcfg).to(dtype=dtype).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device=device)
     t0 = time.perf_counter()
     state = {}

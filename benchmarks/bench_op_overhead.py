@@ -239,8 +239,8 @@ def compiled_launcher(launch: Launch) -> Callable[[], None]:
 
 def launch_rows(op: str, inputs: tuple, device: torch.device, args) -> list[dict]:
     """What the op's Triton launches cost alone: replayed through Triton's JIT (``kernel[grid](...)``, what the body
-    does) and through the compiled kernels' launchers. The second replay must write the first one's bits into the
-    tensors the body allocated (filled with a sentinel in between)."""
+    does) and through the compiled kernels' launchers. Both replays start from the same sentinel in every tensor the
+    launches may write (those the body allocated and the op's mutated inputs) and must leave the same bits."""
     launches: list[Launch] = []
     with recording_launches(launches):
         getattr(direct.dsv4, op)(*inputs)
@@ -249,18 +249,20 @@ def launch_rows(op: str, inputs: tuple, device: torch.device, args) -> list[dict
         return []
     jit = [lambda la=la: la.kernel[la.grid](*la.args, **la.meta) for la in launches]
     fast = [compiled_launcher(la) for la in launches]
-    inputs_at = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    made = {id(t): t for la in launches for t in la.args
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs_at}
-    for call in jit:
-        call()
-    want = {i: t.clone() for i, t in made.items()}
-    for t in made.values():
-        t.fill_(float("nan") if t.is_floating_point() else 77)
-    for call in fast:
-        call()
-    same = all(torch.equal(t, want[i]) or (t.is_floating_point() and torch.allclose(t, want[i], equal_nan=True))
-               for i, t in made.items())
+    read_only = {t.untyped_storage().data_ptr() for i, t in enumerate(inputs)
+                 if isinstance(t, torch.Tensor) and i not in getattr(direct.dsv4, op).mutated}
+    written = {id(t): t for la in launches for t in la.args
+               if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read_only}
+
+    def replayed(calls) -> list[torch.Tensor]:
+        for t in written.values():
+            t.fill_(float("nan") if t.is_floating_point() else 77)
+        for call in calls:
+            call()
+        return [t.clone() for t in written.values()]
+
+    same = all(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, equal_nan=True))
+               for a, b in zip(replayed(jit), replayed(fast)))
     # the JIT's argument binding and specialisation alone (a launch cache keyed like the JIT would still pay it)
     binders = [la.kernel.device_caches[torch.cuda.current_device()][4] for la in launches]
     bind = [lambda b=b, la=la: b(*la.args, **la.meta) for b, la in zip(binders, launches)]

@@ -3,6 +3,7 @@
 shard by shard onto the target device."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -417,6 +418,19 @@ def _stream(path: str, pieces: list[_Piece], want: dict[str, torch.Tensor], devi
     return out
 
 
+@contextlib.contextmanager
+def building_in(dtype: torch.dtype, device):
+    """Modules built inside draw their parameters in ``dtype`` on ``device`` (torch's default dtype and
+    device, the dtype restored after)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCausalLM:
     """Complete a model built on the meta device whose weights were loaded with
     ``assign=True``: an MTP block the source had no weights for gets a fresh (random)
@@ -424,15 +438,11 @@ def finish_meta_model(model: DeepseekV4ForCausalLM, device) -> DeepseekV4ForCaus
     parameter or buffer may be left on meta."""
     for i, blk in enumerate(model.mtp):
         if all(p.is_meta for p in blk.parameters()):
-            rope, default = rope_tables_for(model.config, 1, device), torch.get_default_dtype()
+            rope = rope_tables_for(model.config, 1, device)
             # drawn in the model's dtype: at V4 widths an fp32 draw of the block's experts (then cast) needs
             # twice the block's memory again, more than a GPU holding the model has left
-            torch.set_default_dtype(model.dtype)
-            try:
-                with torch.device(device):
-                    fresh = MTPBlock(model.config, rope)
-            finally:
-                torch.set_default_dtype(default)
+            with building_in(model.dtype, device):
+                fresh = MTPBlock(model.config, rope)
             cast_non_fp32_params(fresh, model.dtype)
             model.mtp[i] = fresh
     model.materialize_buffers(device)

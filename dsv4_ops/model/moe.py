@@ -72,8 +72,7 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
         """x: [T, D], indices/weights: [T, K] -> sum_k weights[:, k] * expert_{indices[:, k]}(x), fp32 [T, D].
         An index named twice in a row counts twice (HF's hash layers)."""
-        return dsv4.moe_gemv(x, indices, weights, self.gate_up_proj, self.down_proj,
-                                       float(self.swiglu_limit))
+        return dsv4.moe_gemv(x, indices, weights, self.gate_up_proj, self.down_proj, float(self.swiglu_limit))
 
 
 class MLP(nn.Module):

@@ -58,7 +58,7 @@ def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int,
                          f"{cfg.sliding_window + num_tokens - 1} slots, have {rings.window}")
     lengths, n_new = lengths.to(torch.int32), n_new.to(torch.int32)
     plan = Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
-                                     cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca))
+                           cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca))
     return [StepMeta(plan.step(i), lengths + i * n_new, concat) for i in range(steps)]
 
 

@@ -98,7 +98,7 @@ def compress(
     if v.reads_values(start, emit, *v.present(block_table)):
         _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap, block_table)
     dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
-                            overlap, eps, block_table)
+                  overlap, eps, block_table)
 
 
 def _check_arguments(

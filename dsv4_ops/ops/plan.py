@@ -93,7 +93,7 @@ def plan(
                            v.in_range_check(op, "lengths + steps * n_new", last, 0, 2**31 - 1,
                                             "the int32 position range"))
     return Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
-                                     csa_ratio, csa_ring, hca_ratio, hca_ring))
+                           csa_ratio, csa_ring, hca_ratio, hca_ring))
 
 
 def _check_arguments(

@@ -49,8 +49,7 @@ class ExpertShard(Experts):
         # them), so other ranks' assignments cost nothing here
         local = indices - self.first
         local = torch.where((local >= 0) & (local < self.n_local), local, -1)
-        partial = dsv4.moe_gemv(x, local, weights, self.gate_up_proj, self.down_proj,
-                                          float(self.swiglu_limit))
+        partial = dsv4.moe_gemv(x, local, weights, self.gate_up_proj, self.down_proj, float(self.swiglu_limit))
         return funcol.all_reduce(partial, "sum", self.group)
 
     def extra_repr(self) -> str:

@@ -231,7 +231,6 @@ class Engine:
         self.prefill_rows = max(1, min(max_running, max_prefill_tokens // prefill_chunk))
         self.admit_wait, self._deferred = admit_wait, 0  # iterations admission has waited for more free slots
         self._waiting: list[_Request] = []
-        self._waiting_order = "arrival"
         self.admit_order = admit_order  # admit_wait and admit_order may change between runs (bench_engine.py)
         self.snapshot_interval = snapshot_interval
         # snapshots only where a cold run's chunk ends: a hit resumes where the cold run cuts the prompt
