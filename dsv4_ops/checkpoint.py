@@ -20,15 +20,9 @@ __all__ = ["load_pretrained", "check_load", "finish_meta_model", "QuantConfig"]
 
 
 def check_load(where: str, model, result) -> None:
-    """Every parameter must be loaded, except the MTP block's when the source has no MTP
-    tensors at all (HF transformers drops them); source tensors must all be used, except
-    extra MTP layers (``mtp.N`` beyond the one block we build)."""
-    missing = list(result.missing_keys)
-    ours_mtp = {k for k in model.state_dict() if k.startswith("mtp.")}
-    if ours_mtp and ours_mtp <= set(missing):  # the source has no MTP weights at all
-        missing = [k for k in missing if k not in ours_mtp]
-    if missing:
-        raise ValueError(f"{where}: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    """Every parameter must be loaded (:func:`_check_missing`); source tensors must all be used,
+    except extra MTP layers (``mtp.N`` beyond the one block we build)."""
+    _check_missing(where, list(result.missing_keys), model.state_dict())
     ours = len(getattr(model, "mtp", []))
     unexpected = [
         k for k in result.unexpected_keys
@@ -37,6 +31,16 @@ def check_load(where: str, model, result) -> None:
     if unexpected:
         raise ValueError(f"{where}: {len(unexpected)} checkpoint tensors have no dsv4_ops counterpart, "
                          f"e.g. {unexpected[:5]}")
+
+
+def _check_missing(where: str, missing: list[str], names) -> None:
+    """``missing`` (of the parameter ``names``) must be empty, except for the MTP block's when the
+    source has none of them at all (HF transformers drops them)."""
+    ours_mtp = {k for k in names if k.startswith("mtp.")}
+    if ours_mtp and ours_mtp <= set(missing):  # the source has no MTP weights at all
+        missing = [k for k in missing if k not in ours_mtp]
+    if missing:
+        raise ValueError(f"{where}: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
 
 
 # --------------------------------------------------------------------------------------
@@ -473,10 +477,9 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     Quantised weights are dequantised at load, to ``dtype``: each value is exact in fp32
     (fp64 for fp32 scales), so the cast to ``dtype`` is the only rounding.
 
-    Memory: the model is built on the meta device (no random init), then the checkpoint is
-    read one shard at a time straight into tensors on ``device``; host memory peaks at about
-    one shard (plus one tensor's decode temporaries) beyond the model itself; no tensor keeps
-    a shard's memory map alive.
+    Memory: the model is built on the meta device (no random init), then the checkpoint is read one
+    shard at a time straight into tensors on ``device``: host memory peaks at about one shard (plus
+    one tensor's decode temporaries) beyond the model; no tensor keeps a shard's memory map alive.
 
     MTP tensors (``mtp.0.*``, DeepSeek or dsv4_ops names; see ``model/mtp.py`` for the
     mapping) load into ``model.mtp``; a checkpoint without any keeps a freshly initialised
@@ -509,12 +512,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     found = {p.target for p in pieces}
     if cfg.tie_word_embeddings and "lm_head.weight" not in found and "model.embed_tokens.weight" in found:
         found.add("lm_head.weight")  # tied: saved once, shared below
-    missing = [k for k in want if k not in found]
-    ours_mtp = [k for k in want if k.startswith("mtp.")]
-    if ours_mtp and set(ours_mtp) <= set(missing):  # no MTP weights at all: keep an initialised block
-        missing = [k for k in missing if not k.startswith("mtp.")]
-    if missing:
-        raise ValueError(f"load_pretrained: the checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
+    _check_missing("load_pretrained", [k for k in want if k not in found], want)  # no MTP weights: a fresh block
     if tp is not None:
         want = shard(model).state_dict()  # on meta: the rank's shapes, nothing allocated
     tensors = _stream(path, pieces, want, device, q, cfg.n_routed_experts, tp)

@@ -106,7 +106,7 @@ def chunked(ids: Tensor, chunks: Sequence[int], device: torch.device) -> list[Te
 
 # ---- chunk buckets: the prefill chunk sizes a Generator with prefill_chunk=None compiles
 SMALLEST_CHUNK = 64  # a short prompt is one step
-LARGEST_CHUNK = 2048  # the largest chunk measured (#47: a 4K prompt in 46 ms at 2048, 102 ms at 512)
+LARGEST_CHUNK = 2048  # the largest chunk measured (BENCHMARKS.md, "Prefill")
 CHUNK_RATIO = 4  # 4 sizes (graphs per batch bucket) from 64 to 2048; only a batch's last step pads, to < 4x its rest
 DEFAULT_MAX_PREFILL_TOKENS = 8192  # = 4 x 2048: batch buckets 1..4 take 2048-token chunks
 

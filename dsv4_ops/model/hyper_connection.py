@@ -64,9 +64,8 @@ class HyperConnection(nn.Module):
         """
         comb_t = comb.transpose(-1, -2)
         if torch.compiler.is_compiling():
-            # an N-term sum per output (N = 4): Inductor fuses it with the rest of the line into one
-            # kernel, where a matmul is a cuBLAS GEMM of inner size 4 (3 us each, 8 per Flash-slice
-            # decode step on the H200); eager keeps the matmul (the sum would materialise [.., N, N, D])
+            # an N-term sum per output (N = 4): Inductor fuses it into the line's kernel, where a matmul
+            # is a cuBLAS GEMM of inner size 4; eager keeps the matmul (the sum would materialise [.., N, N, D])
             mixed = (comb_t.unsqueeze(-1) * x.float().unsqueeze(-3)).sum(-2)
         else:
             mixed = torch.matmul(comb_t, x.float())

@@ -160,9 +160,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         compressor-input rings are fp32). ``kv_cache_dtype``: ``"auto"`` (``dtype``), ``"bf16"``, or
         ``"fp8"`` -- FlashMLA's FP8 V4 page layout for window rings and compressed pools, FP8
         indexer keys (``dsv4_ops/reference/fp8_cache.py``; ``kv_cache_dtype.py`` says where it
-        runs). Calling it again with the same arguments keeps the
-        pool (compiled graphs stay valid); other arguments re-allocate it. ``state_dict`` is
-        unchanged; ``model.to(device)`` moves the pool with the weights.
+        runs). Calling it again with the same arguments keeps the pool (compiled graphs stay
+        valid); other arguments re-allocate it. ``state_dict`` is unchanged; ``model.to(device)``
+        moves the pool with the weights.
         """
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("max_seq_len", max_seq_len, 1),
                                  ("lookahead", lookahead, 0)):
@@ -194,9 +194,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def simulate_fp8_cache(self, enabled: bool = True) -> None:
         """Reference FP8 numerics on float caches (the oracle of ``kv_cache_dtype="fp8"``): every
         row written to a window ring or compressed pool becomes what the FP8 cache would give
-        back (quantise -> dequantise, ``fp8_cache.simulate_kv``), indexer keys are rotated and
-        quantised (``simulate_keys``) and the indexer queries rotated and quantised
-        (``simulate_queries``). Applies to the cache-free
+        back (quantise -> dequantise, ``fp8_cache.simulate_kv``), indexer keys and queries are
+        rotated and quantised (``simulate_keys``, ``simulate_queries``). Applies to the cache-free
         forward and to float caches; an FP8 cache is quantised anyway."""
         for attn in self._attention_layers():
             attn.quant_sim = bool(enabled)

@@ -4,8 +4,8 @@
 decode (one query token) at V4's attention widths (64 heads of 512 dims) on an sm_90 GPU, over
 float caches (``lowering/gluon/sparse_attention.py``) or FP8 pages in FlashMLA's layout
 (``lowering/gluon/sparse_attention_fp8.py``): FP8 window pages from batch ``FP8_MIN_BATCH`` on, a
-bf16 window ring over an FP8 pool from ``FP8_FLOAT_WINDOW_MIN_BATCH`` on, where the H200 measured
-the reader faster than the Triton FP8 kernel (BENCHMARKS.md). Everything else -- prefill, other
+bf16 window ring over an FP8 pool from ``FP8_FLOAT_WINDOW_MIN_BATCH`` on, where the reader measured
+faster than the Triton FP8 kernel (BENCHMARKS.md). Everything else -- prefill, other
 widths, ROCm, other GPUs -- keeps the Triton kernel. The Gluon kernels warp-specialise the row
 gathers and split the scores and ``P @ rows`` between warpgroups in ways ``tl`` cannot express.
 
@@ -32,8 +32,7 @@ from ..reference import ops as ref
 
 ENV = "DSV4_OPS_GLUON_ATTENTION"
 _enabled = os.environ.get(ENV, "1").strip() != "0"
-# FP8 caches take the Gluon reader from these batches on (the model's kv_cache_dtype="fp8" pages its window
-# too): below them the Triton FP8 kernel measured as fast or faster (BENCHMARKS.md)
+# FP8 caches take the Gluon reader from these batches on, below which the Triton FP8 kernel measured as fast
 FP8_MIN_BATCH = 1
 FP8_FLOAT_WINDOW_MIN_BATCH = 64
 # eager / tracing invocations of the kernel launcher (a CUDA-graph replay runs no Python)

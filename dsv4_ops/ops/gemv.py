@@ -18,9 +18,8 @@ from . import validate as v
 from ._backend import use_triton
 from .direct import dsv4
 
-# Where the GEMV beat cuBLAS on the H200 (benchmarks/bench_gemv.py): one token (at 2 tokens it wins
-# only on some shapes, from 4 it loses everywhere); rows of at least 2048 inputs; and enough output
-# rows (all groups) to spread the read over the GPU (not the indexer's 64-wide weights projection)
+# Where the GEMV beat cuBLAS (docs/kernels.md): one token, rows of at least 2048 inputs, and enough
+# output rows (all groups) to spread the read over the GPU (not the indexer's 64-wide weights projection)
 KERNEL_MAX_TOKENS = 1
 KERNEL_MIN_K = 2048
 KERNEL_MIN_ROWS = 512

@@ -1,9 +1,9 @@
 """Readable plain-PyTorch semantics of every ``torch.ops.dsv4`` op.
 
-These functions ARE the contract: the CPU branch of each op calls them, and every
-GPU kernel is tested against them. They favour clarity over speed, compute in
-fp32 whatever the input dtype, and never read a tensor value on the host (no
-``.item()``), so they also trace under ``torch.compile(fullgraph=True)``.
+These functions ARE the contract: the CPU branch of each op calls them, and every GPU kernel is
+tested against them. They favour clarity over speed, compute in fp32 whatever the input dtype, and
+never read a tensor value on the host (no ``.item()``), so they also trace under
+``torch.compile(fullgraph=True)``.
 
 Shape legend (all ops):
     B  batch rows (requests, padded to a bucket)     S  query / new tokens per row
@@ -11,17 +11,16 @@ Shape legend (all ops):
     R  ring slots             N  entries in a pool   E  blocks that may close per step
     HI / DI  indexer heads / head dim                r  rope dims (last r channels)
 
-Position-addressed state (DESIGN.md rule 3): token ``p`` of a row lives at ring
-slot ``p % R``; compressed entry ``i`` (block of positions ``[m*i, m*i + m)``)
-lives at pool index ``i``. A row's only mutable scalar is its length. ``-1``
-means "nothing" in every index tensor.
+Position-addressed state (DESIGN.md rule 3): token ``p`` of a row lives at ring slot ``p % R``;
+compressed entry ``i`` (block of positions ``[m*i, m*i + m)``) lives at pool index ``i``. A row's
+only mutable scalar is its length. ``-1`` means "nothing" in every index tensor.
 
 FP8 caches (``fp8_cache.py``): wherever an op takes a window ring, a compressed pool or an
-indexer-key pool, it also takes that cache in its paged FP8 layout (a rank-4 ``uint8`` tensor):
-``cache_write`` and ``compress`` quantise on write, ``sparse_attention`` and ``indexer_topk``
-dequantise what they read. Over FP8 keys ``indexer_topk`` also quantises its queries, one
-power-of-two scale a head (``fp8_cache.simulate_queries``): an FP8 x FP8 score, as the serving
-engines compute it. Pool sizes ``N`` are then ``pages * page`` entries.
+indexer-key pool, it also takes that cache in its paged FP8 layout (a rank-4 ``uint8`` tensor of
+``N = pages * page`` entries): ``cache_write`` and ``compress`` quantise on write,
+``sparse_attention`` and ``indexer_topk`` dequantise what they read. Over FP8 keys ``indexer_topk``
+also quantises its queries, one power-of-two scale a head (``fp8_cache.simulate_queries``): an
+FP8 x FP8 score, as the serving engines compute it.
 
 Paged pools (the serving engine's): wherever an op takes a compressed pool or an indexer-key pool
 it also takes it as pages shared by all rows, ``[num_pages, page, width]`` (float, or FP8
@@ -31,10 +30,10 @@ it also takes it as pages shared by all rows, ``[num_pages, page, width]`` (floa
 (``block_table[b] = b``); :func:`paged_rows` is the definition every backend follows. Page ids
 are clamped to ``[0, num_pages)``.
 
-Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject
-them, the raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the
-same way, these functions included: an index or slot outside its tensor is skipped like
-``-1``, a count is clamped to its range. Each op's docstring says which.
+Out-of-range values (the raw-op contract): the public wrappers in ``dsv4_ops.ops`` reject them, the
+raw ``torch.ops.dsv4`` ops do not check values. Every backend then reads them the same way, these
+functions included: an index or slot outside its tensor is skipped like ``-1``, a count is clamped
+to its range. Each op's docstring says which.
 """
 from __future__ import annotations
 
@@ -79,11 +78,10 @@ def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
     """Interleaved partial RoPE on the LAST ``r = 2 * cos.shape[-1]`` channels of ``x``.
 
-    Channel pairs ``(x[2i], x[2i+1])`` of the rope slice are rotated like the complex
-    number ``x[2i] + j x[2i+1]`` times ``exp(j * angle_i)``. ``cos``/``sin`` must
-    broadcast against ``x[..., :r/2]`` (one entry per pair, already gathered at the
-    right positions). ``inverse=True`` multiplies by the conjugate. Math in fp32,
-    result in ``x.dtype``.
+    Channel pairs ``(x[2i], x[2i+1])`` of the rope slice are rotated like the complex number
+    ``x[2i] + j x[2i+1]`` times ``exp(j * angle_i)``. ``cos``/``sin`` must broadcast against
+    ``x[..., :r/2]`` (one entry per pair, already gathered at the right positions).
+    ``inverse=True`` multiplies by the conjugate. Math in fp32, result in ``x.dtype``.
     """
     half = cos.shape[-1]
     r = 2 * half
@@ -195,10 +193,10 @@ def _write_pages(pages: Tensor, values: Tensor, phys: Tensor) -> None:
 def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tensor | None = None) -> None:
     """``cache[b, slots[b, s]] = values[b, s]`` for every ``slots >= 0``; in place.
 
-    cache ``[B, N, C]``, values ``[B, S, C]`` (same dtype), slots ``[B, S] int32``.
-    Serves the window ring, the compressor-input rings and any pool. Slots of one row
-    must be distinct (``plan`` guarantees it); with ``block_table``, the physical entries of
-    all rows must be (rows own their pages while they write them).
+    cache ``[B, N, C]``, values ``[B, S, C]`` (same dtype), slots ``[B, S] int32``. Serves the
+    window ring, the compressor-input rings and any pool. Slots of one row must be distinct
+    (``plan`` guarantees it); with ``block_table``, the physical entries of all rows must be
+    (rows own their pages while they write them).
 
     ``block_table [B, P]``: ``cache`` is a paged pool (``[num_pages, page, C]``, or FP8 pages),
     ``N = P * page``.
@@ -439,7 +437,7 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     xs = x.float().repeat_interleave(K, dim=0)  # [T*K, D], token-major like ``flat``
     gu = torch.einsum("nd,nid->ni", xs, w13[e].float()).to(w13.dtype).float()  # [T*K, 2I]
     gate, up = gu[:, :I], gu[:, I:]
-    h = (torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)).to(w13.dtype).float()
+    h = swiglu(gate, up, limit).to(w13.dtype).float()
     y = torch.einsum("ni,ndi->nd", h, w2[e].float())  # [T*K, D]
     y = y * (weights.reshape(-1).float() * routed.float()).unsqueeze(-1)
     return y.view(T, K, x.shape[1]).sum(dim=1)

@@ -23,8 +23,7 @@ def e4m3_hw(backend: str) -> int:
     """The readers' ``E4M3_HW`` constexpr (``e4m3_to``'s decode) for a backend (``"cuda"`` /
     ``"hip"``): ROCm 0, the integer decode (gfx942 has only the fnuz e4m3); the interpreter 1,
     the e4m3 type's convert (it multiplies bf16 as raw bits, so no bf16 arithmetic); CUDA 4, bit
-    moves in PTX, the fastest of the four decodes on the H200 in both FP8 readers (attention and
-    indexer scores; docs/kernels.md). Modes 2 and 3 are reached only by a config override."""
+    moves in PTX, the fastest measured (docs/kernels.md). Modes 2 and 3 only by a config override."""
     if backend == "hip":
         return 0
     return 1 if triton.knobs.runtime.interpret else 4

@@ -28,9 +28,8 @@ __all__ = ["gemv", "gemv_launch", "gemv_kernel", "MAX_TOKENS", "DEFAULT_CONFIG"]
 # at most this many tokens per call: the accumulator holds TOKENS x BLOCK_N x BLOCK_K partials
 MAX_TOKENS = 8
 
-# rows x columns of one weight tile at one token, 3 stages, 4 warps: the fastest of the H200 sweep
-# for q_b (1024-wide rows) and o_b (8192-wide), docs/kernels.md; more tokens share the same
-# register budget (BLOCK_K shrinks as TOKENS grows)
+# rows x columns of one weight tile at one token, 3 stages, 4 warps: the fastest measured
+# (docs/kernels.md); more tokens share the same register budget (BLOCK_K shrinks as TOKENS grows)
 DEFAULT_CONFIG = dict(rows=8, cols=512, stages=3, warps=4)
 
 

@@ -2,46 +2,38 @@
 Contract: ``dsv4_ops.reference.indexer_scores`` / ``indexer_topk``.
 
 Scores (``indexer_scores_kernel``, grid ``(B * S, cdiv(N, CHUNK))``): a program scores one query
-token over ``CHUNK`` entries, all heads at once, in blocks of ``BLOCK_N`` pipelined key loads:
-``dots = keys[BLOCK_N, DI] @ q[HI, DI]^T`` (fp32 accumulate), ``score = sum_h w[h] *
-relu(dots[:, h])``, ``-inf`` past ``visible`` (those keys are never loaded). The pass is bound by
-the keys' bytes, so ``q`` is loaded once per program and ``CHUNK`` sizes the grid to one wave
-(:func:`scores_chunk`). FP8 keys (``KEYS_FP8``): the program first quantises its queries, each
-head to e4m3 with one power-of-two scale folded into ``w[h]`` (``fp8_cache.simulate_queries``;
-exact, as relu and the head sum commute with it); with ``FP8_DOT`` (bf16 queries, sm_89+) the
-codes of both sides meet on the FP8 tensor cores, elsewhere both sides are decoded exactly.
-Paged keys (``KEYS_PAGED``, a ``block_table [B, P]``; ``dsv4_ops.reference.ops.paged_rows``): each
-lane looks its entry's page up in the row's block-table row (dim 0 of the keys is the page, at its
-own, possibly padded, stride); the scores and picks stay indexed by entry, as without pages.
+token over ``CHUNK`` entries, all heads at once, in pipelined blocks of ``BLOCK_N`` keys:
+``score = sum_h w[h] * relu(keys @ q[h])`` (fp32 accumulate), ``-inf`` past ``visible`` (those
+keys are never loaded). The pass is bound by the keys' bytes, so ``q`` is loaded once per program
+and ``CHUNK`` sizes the grid to one wave (:func:`scores_chunk`). FP8 keys (``KEYS_FP8``): the
+queries are quantised per head to e4m3 with one power-of-two scale folded into ``w[h]``
+(``fp8_cache.simulate_queries``; exact, as relu and the head sum commute with it); with
+``FP8_DOT`` (bf16 queries, sm_89+) the codes meet on the FP8 tensor cores, elsewhere both sides
+are decoded exactly. Paged keys (``KEYS_PAGED``, ``block_table [B, P]``;
+``dsv4_ops.reference.ops.paged_rows``): each lane looks its entry's page up in the row's
+block-table row (dim 0 of the keys is the page, at its own, possibly padded, stride); scores and
+picks stay indexed by entry.
 
-Top-k: one program per query row, exact and deterministic, no sort of the row
-(``topk_row_kernel`` holds a row of up to ``TOPK_ROW`` scores in registers; ``topk_kernel``
-loops over blocks of longer rows):
+Top-k, exact and deterministic, without sorting the row:
   1. radix select of the k-th largest score over order-preserving uint32 keys (``-0.0`` folded
-     into ``+0.0``, as ``torch.sort`` treats them equal): ``tl.histogram`` digit passes over the
-     visible prefix narrow the threshold key ``T`` and the count ``r`` of entries equal to ``T``
-     still picked;
-  2. one compaction pass keeps every entry with ``key > T`` and the first ``r`` (by index) with
-     ``key == T``: the stable sort's choice, so ties go to the lower index as in the reference;
-  3. the ``k_eff = min(topk, visible)`` picks are packed with their keys into uint64
-     ``key << 32 | ~index`` and bitonic-sorted descending (``tl.sort``): by score, then by lower
-     index; slots ``>= k_eff`` get -1.
-Split top-k (``topk_row_kernel`` ``STAGE`` 1 and 2): with fewer rows than SMs (batch-1 decode)
-one program per row leaves the GPU idle and its time grows with the row, so a long row is cut
-into ``SEG``-entry segments, one program each (steps 1-2, picks kept in index order into
-``[B, S, P * topk]`` candidate buffers with -1 / ``-inf`` fillers), and one program per row
-merges the candidates (steps 1-3, ties by candidate position, which is entry order). Exact: an
-entry beaten by fewer than ``topk`` entries of its row is beaten by fewer in its segment.
-Fused top-k (``indexer_scores_kernel`` ``TOPK_FUSED``): once the rows fill the GPU, the scores
-kernel does stage 1 over its own chunk (scores to a scratch row, a barrier, re-read as a
-register row), which saves a launch and a second read of the scores; then stage 2 as above.
-The select and compaction are helpers without pointer arguments (``_radix_select``,
-``_picked``), so torch's mutation analysis sees exactly the buffers each kernel writes.
+     into ``+0.0``, as ``torch.sort`` treats them equal): the threshold key ``T`` and the count
+     ``r`` of entries equal to ``T`` still picked;
+  2. one compaction keeps every ``key > T`` and the first ``r`` (by index) with ``key == T``:
+     the stable sort's choice;
+  3. the ``min(topk, visible)`` picks, packed as uint64 ``key << 32 | ~index``, are
+     bitonic-sorted descending (score, then lower index); the other slots get -1.
+One program per row (``topk_row_kernel``: the row in registers; ``topk_kernel``: blocks of
+longer rows), or with too few rows to fill the GPU the split top-k (``topk_row_kernel``
+``STAGE`` 1: a program per ``SEG``-entry segment does steps 1-2 into ``[B, S, P * topk]``
+candidate buffers; ``STAGE`` 2: a program per row merges them; exact, as an entry beaten by
+fewer than ``topk`` entries of its row is beaten by fewer in its segment), or once the rows fill
+the GPU the fused top-k (``indexer_scores_kernel`` ``TOPK_FUSED`` does stage 1 over its own
+chunk: a launch and a second read of the scores less). The shared helpers take no pointers, so
+torch's mutation analysis sees exactly the buffers each kernel writes.
 
 Where the CUDA top-k builds (``dsv4_ops/ops/topk_cuda.py``), ``dsv4::indexer_topk`` takes it
-after these scores; these top-k kernels serve everything else (ROCm, no nvcc, longer rows,
-AOTInductor packages). Configuration: :func:`indexer_config`; measurements: docs/kernels.md,
-"Indexer and top-k".
+after these scores; these top-k kernels serve the rest (ROCm, no nvcc, longer rows, AOTInductor
+packages). Configuration: :func:`indexer_config`.
 """
 from __future__ import annotations
 
@@ -83,14 +75,10 @@ def indexer_scores_kernel(
     KEYS_PAGED: tl.constexpr,  # keys are pages [num_pages, KEY_PAGE, ...] through the block table (sk_b: page stride)
 ):
     """Scores of query token ``pid 0`` over entries ``[pid 1 * CHUNK, +CHUNK)`` into ``out_ptr``
-    (``[B, S, N]``, strides ``so_*``). ``TOPK_FUSED`` 0: that is all (``cand_*`` unused).
-    ``TOPK_FUSED`` 1: ``out_ptr`` is scratch, written only where visible, and the program then
-    does the split top-k's stage 1 over its own chunk (the chunk is the segment, ``SEG = CHUNK``):
-    re-reads the chunk's scores as a register row, radix select + compaction
-    (``_radix_select``, ``_picked``), and writes the top-``TOPK`` as entry indices into
-    ``cand_idx_ptr`` and scores into ``cand_score_ptr`` (both ``[B, S, P * TOPK]``, strides
-    ``sc_*``) at ``pid 1 * TOPK``, in index order, then -1 / ``-inf`` fillers: exactly what
-    ``topk_row_kernel`` ``STAGE`` 1 writes, for its ``STAGE`` 2 to merge."""
+    (``[B, S, N]``; ``cand_*`` unused). ``TOPK_FUSED`` 1: ``out_ptr`` is scratch, written only
+    where visible, and the program then does the split top-k's stage 1 over its chunk
+    (``SEG = CHUNK``): exactly what ``topk_row_kernel`` ``STAGE`` 1 writes, into ``cand_idx_ptr``
+    and ``cand_score_ptr`` (``[B, S, P * TOPK]``, strides ``sc_*``) at ``pid 1 * TOPK``."""
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)  # chunk of CHUNK entries
     b = (pid_t // S).to(tl.int64)
@@ -113,15 +101,12 @@ def indexer_scores_kernel(
             mask=h_mask[None, :] & d_mask[:, None], other=0.0,
         )
         w = tl.load(w_ptr + b * sw_b + s * sw_s + offs_h * sw_h, mask=h_mask, other=0.0).to(tl.float32)
-        if KEYS_FP8:  # FP8 queries (fp8_cache.simulate_queries): e4m3 codes, one power-of-two scale a head,
-            #           which joins the head's weight (relu and the head sum commute with it, exactly)
+        if KEYS_FP8:  # FP8 queries (fp8_cache.simulate_queries): one power-of-two scale a head, in its weight
             q_f = q_t.to(tl.float32)
             q_exp = scale_exponent(tl.max(tl.abs(q_f), 0))
             q_scaled = q_f * pow2(254 - q_exp)[None, :]  # |q_scaled| <= 448: no saturation
             w = w * pow2(q_exp)
-            if FP8_DOT:  # sm_89+: the hardware's round-to-nearest-even convert (cvt.rn.satfinite.e4m3x2.f32,
-                #          one instruction for two values): the integer encode's codes bit for bit,
-                #          without its ~30 integer operations a value
+            if FP8_DOT:  # sm_89+: the hardware's round-to-nearest-even convert, the integer encode's codes
                 q_t = q_scaled.to(tl.float8e4nv)
             else:
                 q_t = e4m3_to(e4m3_encode(q_scaled).to(tl.uint8), q_t.dtype, E4M3_HW)
@@ -139,8 +124,7 @@ def indexer_scores_kernel(
                     pbase = key_row0 + (offs_n // KEY_PAGE).to(tl.int64) * sk_n
                 t = offs_n % KEY_PAGE
                 sp = pbase + KEY_PAGE * DI + t * 4
-                if KEYS_FP8 == 2:  # 4-byte aligned: the scale as one fp32, codes as words (or HW: as bytes,
-                    #                which the compiler vectorises)
+                if KEYS_FP8 == 2:  # 4-byte aligned: the scale as one fp32, codes as words (HW: bytes, vectorised)
                     if E4M3_HW:
                         code = tl.load(pbase[:, None] + t[:, None] * DI + offs_d[None, :],
                                        mask=live[:, None] & d_mask[None, :], other=0)
@@ -158,8 +142,7 @@ def indexer_scores_kernel(
                              | (tl.load(sp + 2, mask=live, other=0).to(tl.int32) << 16)
                              | (tl.load(sp + 3, mask=live, other=0).to(tl.int32) << 24))
                     kscale = sbits.to(tl.float32, bitcast=True)
-                # the key's scale is a power of two: the dot of its codes times the scale (after the
-                # relu and the head sum) is the dot of the dequantised key, bit for bit
+                # a power-of-two key scale, applied after relu and head sum: the dequantised key's dot, exactly
                 if FP8_DOT:
                     keys = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
                 else:
@@ -197,8 +180,7 @@ def indexer_scores_kernel(
             sel = _picked(key, live, prefix, known, k_rem, done)
             slot = tl.cumsum(sel, 0) - sel  # the chunk's picks in index order: no ordering
             tl.store(cand_idx_ptr + cand_row + slot * sc_k, lo + offs_c, mask=sel != 0)
-            # the score back from its key (no register row of scores kept through the select; -0.0 comes
-            # back +0.0, the same key)
+            # the score back from its key (no score row kept through the select; -0.0 comes back +0.0)
             tl.store(cand_score_ptr + cand_row + slot * sc_k, _key_score(key), mask=sel != 0)
         j = tl.arange(0, KPAD)
         filler = (j >= k_eff) & (j < TOPK)
@@ -235,12 +217,10 @@ def _key_score(key):
 
 @triton.jit
 def _radix_select(key, live, k_eff, BITS: tl.constexpr):
-    """Radix select over a register row of order-preserving ``key`` s (``_ordered_key``), of
-    which the ``live`` ones count: ``(prefix, known, k_rem, done)`` -- the threshold's known
-    high bits ``key & known == prefix``, ``k_rem`` entries of the threshold bin still among the
-    ``k_eff`` picks, and ``done`` when that is the whole bin (the select stopped early). No
-    pointers in or out (torch's mutation analysis counts a helper's pointer arguments as
-    written): shared by ``topk_row_kernel`` and the fused stage 1 of ``indexer_scores_kernel``."""
+    """Radix select over a register row of ``_ordered_key`` s, the ``live`` ones counting:
+    ``(prefix, known, k_rem, done)`` -- the threshold's known high bits ``key & known == prefix``,
+    ``k_rem`` entries of the threshold bin still among the ``k_eff`` picks, ``done`` when that is
+    the whole bin (the select stopped early). No pointers, see the module docstring."""
     NB: tl.constexpr = 1 << BITS
     bins = tl.arange(0, NB)
     prefix = tl.full([], 0, tl.uint32)
@@ -280,11 +260,9 @@ def _picked(key, live, prefix, known, k_rem, done):
 @triton.jit
 def _order_picks(row, ss_n, out_row, so_k, k_eff, TOPK, KPAD: tl.constexpr, index_row, MAPPED: tl.constexpr):
     """Sort the ``k_eff`` compacted indices in ``out_row`` by score descending, then index
-    ascending, and fill slots ``k_eff .. TOPK`` with -1. The indices are packed with their
-    keys into uint64 ``key << 32 | ~index`` for one bitonic ``tl.sort`` (``k log^2 k``
-    compare-swaps, where ranking each pick by counting the picks that beat it takes ``k^2``).
-    ``MAPPED``: the indices are positions in ``row``; the slots get ``index_row[position]``
-    (the split top-k's merge: candidate position -> entry index)."""
+    ascending (one bitonic ``tl.sort`` of uint64 ``key << 32 | ~index``), and fill slots
+    ``k_eff .. TOPK`` with -1. ``MAPPED``: the indices are positions in ``row`` and the slots get
+    ``index_row[position]`` (the split top-k's merge: candidate position -> entry index)."""
     j = tl.arange(0, KPAD)
     picked = j < k_eff
     idx = tl.load(out_row + j * so_k, mask=picked, other=0)
@@ -308,8 +286,7 @@ def topk_kernel(
     so_b, so_s, so_k,
     BLOCK: tl.constexpr, KPAD: tl.constexpr,
 ):
-    # prologue inline, not in a helper: torch's TTIR mutation analysis counts the pointer
-    # arguments of a helper as written, and Inductor would clone them before every launch
+    # prologue inline: torch's mutation analysis counts a helper's pointer arguments as written
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -369,27 +346,19 @@ def topk_row_kernel(
     so_b, so_s, so_k,
     ROW: tl.constexpr, KPAD: tl.constexpr, BITS: tl.constexpr, STAGE: tl.constexpr, SEG: tl.constexpr,
 ):
-    """``topk_kernel`` for rows of at most ``ROW`` scores, with the row held in registers.
+    """``topk_kernel`` for rows of at most ``ROW`` scores, the row read once into registers; the
+    radix select takes ``BITS``-bit digits and stops once the threshold's bin holds exactly the
+    picks still needed, so the compaction needs no tie rank.
 
-    The row is read once; the radix select uses ``BITS``-bit digits (a histogram's cost
-    grows with its bins, the number of passes shrinks with them) and stops as soon as the
-    threshold's digit bin holds exactly the picks still needed, which also makes the
-    compaction one prefix sum instead of two (no tie rank needed).
-
-    ``STAGE`` 0: the whole row (``cand_ptr`` unused). The split top-k (rows of ``N > SEG``
-    scores cut in ``P = cdiv(N, SEG)`` segments, ``ROW == SEG`` in stage 1):
-    - ``STAGE`` 1, program ``(row, p)``: the top-``TOPK`` of segment ``p``'s visible entries,
-      unsorted, in index order (the compaction's), as entry indices ``p * SEG + i`` into
-      ``out_ptr`` and their scores into ``cand_ptr`` (both ``[B, S, P * TOPK]``, strides
-      ``so_*``) at ``p * TOPK``; the segment's slots past its picks get -1 / ``-inf``.
-    - ``STAGE`` 2, one program per row: the row kernel over the ``P * TOPK`` candidate scores
-      (``scores_ptr``; ``cand_ptr`` the candidate indices, same strides ``ss_*``), live where
-      the index is not -1, ``k_eff = min(visible, TOPK)`` of the true row; the candidates are
-      in ascending entry order, so ties by lower position are ties by lower entry index, and
-      the slots get the picked candidates' entry indices.
+    ``STAGE`` 0: the whole row (``cand_ptr`` unused). The split top-k (``P = cdiv(N, SEG)``):
+    - ``STAGE`` 1, program ``(row, p)`` (``ROW == SEG``): the top-``TOPK`` of segment ``p``'s
+      visible entries in index order, entry indices into ``out_ptr`` and scores into ``cand_ptr``
+      (both ``[B, S, P * TOPK]``, strides ``so_*``) at ``p * TOPK``, then -1 / ``-inf`` fillers.
+    - ``STAGE`` 2, a program per row: over the candidate scores (``scores_ptr``; ``cand_ptr`` the
+      indices, strides ``ss_*``), live where the index is not -1, ``k_eff`` of the true row. The
+      candidates are in entry order, so ties by position are ties by entry index.
     """
-    # prologue inline, not in a helper: torch's TTIR mutation analysis counts the pointer
-    # arguments of a helper as written, and Inductor would clone them before every launch
+    # prologue inline: torch's mutation analysis counts a helper's pointer arguments as written
     pid_t = tl.program_id(0)
     b = (pid_t // S).to(tl.int64)
     s = (pid_t % S).to(tl.int64)
@@ -437,21 +406,17 @@ def topk_row_kernel(
 # --------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------
-# Segment lengths the split top-k may cut a row into (powers of two): the H200 sweeps' best segments
-# lie in this range, and no split won once the stage-1 programs exceed one wave (docs/kernels.md).
+# the split top-k's segments, and the longest rows kept whole (docs/kernels.md, "Split top-k")
 TOPK_SEGMENTS = (2048, 4096, 8192, 16384)
-# Rows of at most this many scores (16K context) keep one program: the split was never timed there.
 TOPK_SPLIT_MIN_SCORES = 4096
 
 
 def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
-    """The split top-k's segment for ``rows`` rows of ``N`` scores (0: one program per row).
-
-    Both stages in one wave (``rows * cdiv(N, seg) <= sms`` stage-1 programs), a segment longer
-    than the picks it keeps (``topk < seg``), shorter than the row, and a merge row that fits
-    the row kernel (``cdiv(N, seg) * topk <= row_limit``); among those the segment whose longer
-    stage row (``max(seg, cdiv(N, seg) * topk)``) is shortest, the shorter segment on a tie.
-    Rows of at most ``TOPK_SPLIT_MIN_SCORES`` are never split."""
+    """The split top-k's segment for ``rows`` rows of ``N`` scores (0: one program per row): of the
+    segments with both stages in one wave (``rows * cdiv(N, seg) <= sms``), ``topk < seg < N`` and a
+    merge row within the row kernel (``cdiv(N, seg) * topk <= row_limit``), the one whose longer
+    stage row is shortest (the shorter segment on a tie). Rows of at most
+    ``TOPK_SPLIT_MIN_SCORES`` are never split."""
     best, best_len = 0, None
     if N <= TOPK_SPLIT_MIN_SCORES:
         return 0
@@ -465,37 +430,27 @@ def topk_segment(rows: int, N: int, topk: int, sms: int, row_limit: int) -> int:
     return best
 
 
-# The fused top-k's chunks (4 warps): 1024 for rows up to 16K scores, 2048 for longer ones, where
-# rows x scores >= 2^20 and there are at least 64 rows: where the H200 sweep of the whole op found
-# fusing faster (docs/kernels.md).
+# where the fused top-k pays, and its chunks: measured (docs/kernels.md, "Fused top-k")
 TOPK_FUSED_CHUNK_SHORT, TOPK_FUSED_CHUNK_LONG = 1024, 2048
 TOPK_FUSED_LONG_ROW = 16384
 TOPK_FUSED_MIN_ROWS, TOPK_FUSED_MIN_SCORES = 64, 1 << 20
 
 
 def topk_fused_chunk(rows: int, N: int, topk: int, row_limit: int) -> int:
-    """The fused top-k's chunk for ``rows`` rows of ``N`` scores (0: not fused).
-
-    Where fusing pays is measured, not modelled (the H200 sweep of the whole ``indexer_topk``,
-    docs/kernels.md): at least 64 rows and 2^20 scores in all, chunk 2048 for rows of 16K scores
-    or more, else 1024; each chunk at least ``2 * topk`` (it keeps at most half of what it
-    scores) and the candidates of a row within the row kernel (``row_limit``). Rows of at most
-    ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
+    """The fused top-k's chunk for ``rows`` rows of ``N`` scores (0: not fused): at least 64 rows
+    and 2^20 scores in all, chunk 2048 for rows of 16K scores or more, else 1024; each chunk at
+    least ``2 * topk`` (it keeps at most half of what it scores) and a row's candidates within the
+    row kernel (``row_limit``). Rows of at most ``TOPK_SPLIT_MIN_SCORES`` are never fused."""
     if N <= TOPK_SPLIT_MIN_SCORES or rows < TOPK_FUSED_MIN_ROWS or rows * N < TOPK_FUSED_MIN_SCORES:
         return 0
     chunk = TOPK_FUSED_CHUNK_LONG if N >= TOPK_FUSED_LONG_ROW else TOPK_FUSED_CHUNK_SHORT
     return chunk if 2 * topk <= chunk < N and -(-N // chunk) * topk <= row_limit else 0
 
 
-# Warps of the fused scores program: 4 only. 8 warps gave other indices than the unfused path on the
-# H200, where 4 warps and the interpreter agree; not debugged (docs/kernels.md, "Fused top-k").
-FUSED_WARPS = 4
-
-
 def fused_warps(chunk: int) -> int:
-    """Warps of the fused scores program over ``chunk`` entries: 4 (16 entries a thread at 2048,
-    no spill on sm_90), whatever the chunk."""
-    return FUSED_WARPS
+    """Warps of the fused scores program over ``chunk`` entries: 4 whatever the chunk (8 gave other
+    indices than the unfused path on the H200; docs/kernels.md, "Fused top-k")."""
+    return 4
 
 
 SCORES_CHUNK_ONE_WAVE_MAX = 8192  # the longest chunk a program takes when one wave of 2 a SM covers the grid
@@ -503,16 +458,12 @@ SCORES_CHUNK_MANY_WAVES = 1024  # bf16 keys past that: many short waves, so the 
 
 
 def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = False, fp8_dot: bool = False) -> int:
-    """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores.
-
-    bf16 keys: the power of two that gives about 2 programs per SM, all in one wave, when that
-    chunk is at most ``SCORES_CHUNK_ONE_WAVE_MAX`` entries. Three programs of the default config
-    fit an SM at once, so a grid of 3-4 programs per SM would leave a second, mostly idle wave;
-    past that, ``SCORES_CHUNK_MANY_WAVES``-entry chunks in many short waves. FP8 keys with the
-    decoded dot: about 2 programs per SM in chunks of at most 2048 (their pass is not
-    bytes-bound, and their sweep favoured no one chunk everywhere). FP8 keys on the e4m3
-    tensor-core dot (``fp8_dot``: fewer registers, five programs fit an SM): about 4 programs
-    per SM, up to 8192 entries. Each rule is the best of an H200 sweep (docs/kernels.md)."""
+    """``CHUNK`` of the scores pass for ``entries = B * S * N`` scores (measured rules,
+    docs/kernels.md). bf16 keys: the power of two giving about 2 programs per SM in one wave while
+    that is at most ``SCORES_CHUNK_ONE_WAVE_MAX`` (three programs fit an SM, so 3-4 per SM would
+    leave a second, mostly idle wave), else ``SCORES_CHUNK_MANY_WAVES``. FP8 keys, decoded dot:
+    about 2 programs per SM, at most 2048. FP8 keys on the e4m3 dot (``fp8_dot``: fewer
+    registers): about 4 programs per SM, at most 8192."""
     if keys_fp8 and fp8_dot:
         return min(max(block_n, next_pow2(-(-entries // (4 * sms)))), SCORES_CHUNK_ONE_WAVE_MAX)
     per_program = -(-entries // (2 * sms))
@@ -526,37 +477,27 @@ def scores_chunk(entries: int, sms: int, block_n: int = 64, keys_fp8: bool = Fal
 @cached_config
 def indexer_config(B: int, S: int, HI: int, DI: int, N: int, topk: int, sms: int = 132,
                    backend: str = "cuda", keys_fp8: bool = False, fp8_dot: bool = False) -> dict:
-    """Static launch configuration (a pure function of sizes, never of tensor values).
+    """Static launch configuration (a pure function of sizes, never of tensor values; the values
+    are the fastest of the H200 sweeps, docs/kernels.md).
 
-    Scores: all indexer heads per program (64 for V4), ``BLOCK_N`` entries per MMA, ``CHUNK``
-    entries per program with ``q`` loaded once and the key loads pipelined; :func:`scores_chunk`
-    sizes the grid to one wave: long chunks amortise the ``q`` load, short ones still fill the
-    GPU for short rows or few tokens.
-    Top-k, one of (the values are the fastest of the H200 sweeps, docs/kernels.md):
-    - one program per row: rows of at most ``TOPK_ROW`` scores (V4 up to 128K context) take
-      ``topk_row_kernel`` (row in registers, ``TOPK_BITS``-bit digits, ``row_warps`` warps; past
-      16K scores part of the row lives on the stack, and it is still the faster kernel), longer
-      rows ``topk_kernel`` (``TOPK_BLOCK`` scores per step of its passes, ``loop_warps`` warps);
-    - the split top-k (``TOPK_SPLIT`` = the segment, a power of two; 0 = off), chosen on CUDA by
-      :func:`topk_segment` for rows too few to fill the GPU;
-    - the fused top-k (``TOPK_FUSED`` = the chunk, which replaces ``CHUNK``; 0 = off), chosen on
-      CUDA by :func:`topk_fused_chunk` for rows that fill it, with ``fused_warps`` warps (an
-      override of 8 gave other indices on the H200 and is for sweeps only, which check every
-      config's output). FP8 keys (``keys_fp8``) never fuse: slower, as their scores pass is
-      not bytes-bound.
-    ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; the launch
-    constexpr ``FP8_DOT``, which a ``config`` may force), whose chunks differ.
-    On NVIDIA GPUs where dsv4_ops' native library is loaded (``dsv4_ops/ops/topk_cuda.py``: rows up to 32768
-    scores), ``dsv4::indexer_topk`` takes none of these top-k paths: its scores launch, then that
-    kernel. ROCm (``backend="hip"``, wave64) takes ``topk_kernel`` for every row: it compiles
-    without spills for gfx942/gfx950 at every row length, where the row kernel spills SGPRs at
-    32K scores; nothing is timed on AMD hardware, and the split and fused paths are off there.
+    Scores: all indexer heads per program, ``BLOCK_N`` entries per MMA, ``CHUNK`` entries per
+    program (:func:`scores_chunk`). Top-k, one of:
+    - one program per row: ``topk_row_kernel`` for rows of at most ``TOPK_ROW`` scores
+      (``TOPK_BITS``-bit digits, ``row_warps`` warps), else ``topk_kernel`` (``TOPK_BLOCK`` scores
+      a step, ``loop_warps`` warps);
+    - the split top-k (``TOPK_SPLIT`` = the segment; 0 = off): :func:`topk_segment`, CUDA only;
+    - the fused top-k (``TOPK_FUSED`` = the chunk, replacing ``CHUNK``; 0 = off):
+      :func:`topk_fused_chunk`, CUDA only and never for FP8 keys, ``fused_warps`` warps (an
+      override is for sweeps only).
+    ``fp8_dot``: FP8 keys scored by the e4m3 tensor-core dot (:func:`fp8_dot_serves`; a ``config``
+    may force ``FP8_DOT``). ROCm (``backend="hip"``) takes ``topk_kernel`` for every row: the row
+    kernel spills SGPRs at 32K scores on gfx942/gfx950 (nothing is timed on AMD hardware).
     """
     block_n = 64
     chunk = scores_chunk(B * S * N, sms, block_n, keys_fp8, fp8_dot)
     topk_row = 0 if backend == "hip" else 32768
     seg = topk_segment(B * S, N, topk, sms, topk_row) if backend == "cuda" else 0
-    # FP8 keys never fuse: slower on the H200 (docs/kernels.md), as their scores pass is not bytes-bound
+    # FP8 keys never fuse: slower, as their scores pass is not bytes-bound
     fused = topk_fused_chunk(B * S, N, topk, topk_row) if backend == "cuda" and not keys_fp8 else 0
     return dict(BLOCK_HI=max(16, next_pow2(HI)), BLOCK_DI=max(16, next_pow2(DI)), BLOCK_N=block_n,
                 CHUNK=chunk, num_warps=4, num_stages=3,
@@ -624,9 +565,8 @@ def _fp8_keys(q: torch.Tensor, keys: torch.Tensor, config: dict | None) -> tuple
 
 def fp8_dot_serves(q: torch.Tensor) -> bool:
     """Whether FP8 keys are scored by an e4m3 tensor-core dot (``FP8_DOT``): bf16 queries of more
-    than 16 dims (an FP8 MMA's K is 32) on an NVIDIA GPU with FP8 MMA (sm_89 and later). Elsewhere
-    (fp32 queries, ROCm, the interpreter) both sides are decoded exactly and the dot is bf16 /
-    fp32: the same products, summed in fp32."""
+    than 16 dims (an FP8 MMA's K is 32) on an NVIDIA GPU of sm_89 or later. Elsewhere both sides
+    are decoded exactly: the same products, summed in fp32."""
     return (q.dtype == torch.bfloat16 and next_pow2(q.shape[-1]) >= 32 and q.is_cuda and backend() == "cuda"
             and not INTERPRET and capability(device_index(q.device)) >= (8, 9))
 
@@ -670,10 +610,9 @@ def fused_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, v
 def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: torch.Tensor,
                   cfg: dict) -> tuple[tuple[Launch, ...], Launch | None]:
     """The top-k pass over ``[B, S, N]`` scores into ``out``: ``(topk_row_kernel launches,
-    topk_kernel launch or None)`` (``cfg``: ``indexer_config``). Exactly one of: one row
-    launch (rows of at most ``TOPK_ROW`` scores), two (the split top-k's stages 1 and 2, in
-    order: rows of more than ``TOPK_SPLIT`` scores when it is not 0; the candidate buffers are
-    allocated here), the looped launch."""
+    topk_kernel launch or None)`` (``cfg``: ``indexer_config``): the split top-k's two stages
+    (rows longer than a non-zero ``TOPK_SPLIT``), else one row launch (rows of at most
+    ``TOPK_ROW`` scores), else the looped launch."""
     B, S, N = scores.shape
     vis_out = (*visible.stride(), *out.stride())
     row_meta = dict(KPAD=cfg["KPAD"], BITS=cfg["TOPK_BITS"], num_warps=cfg["row_warps"])
@@ -681,8 +620,7 @@ def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: t
     if seg and N > seg:
         assert seg == next_pow2(seg) and seg >= 16, f"TOPK_SPLIT must be a power of two >= 16, got {seg}"
         P = -(-N // seg)
-        # stage 1 writes each segment's picks (entry indices, scores; -1 / -inf fillers) at p * topk;
-        # one shape, one layout: the kernel addresses both with the index buffer's strides
+        # one shape, one layout: the kernel addresses both candidate buffers with the index buffer's strides
         cand_idx = torch.empty((B, S, P * topk), dtype=torch.int32, device=scores.device)
         cand_scores = torch.empty((B, S, P * topk), dtype=torch.float32, device=scores.device)
         stage1 = Launch((B * S, P), (scores, visible, cand_idx, cand_scores, S, N, topk, *scores.stride(),
@@ -697,11 +635,9 @@ def topk_launches(scores: torch.Tensor, visible: torch.Tensor, topk: int, out: t
     return (), Launch((B * S,), args, dict(BLOCK=cfg["TOPK_BLOCK"], KPAD=cfg["KPAD"], num_warps=cfg["loop_warps"]))
 
 
-# The fp32 scores scratch of one launch group, at most. A prefill chunk at large batch and long
-# context scores its query tokens in groups of ``token_group`` so that the scratch stays this
-# size: a pool-sized ``[B, S, N]`` buffer grows with the context and takes memory from the KV
-# pool (docs/kernels.md). 4 GiB keeps every decode step, and every prefill configuration
-# measured, in one group.
+# The fp32 scores scratch of one launch group, at most: a long prefill chunk at large batch scores
+# its query tokens in groups (``token_group``), as a pool-sized ``[B, S, N]`` buffer would take
+# memory from the KV pool. 4 GiB keeps every decode step in one group.
 SCORES_BUDGET_BYTES = 4 << 30
 
 
@@ -716,9 +652,7 @@ def token_group(B: int, S: int, N: int, budget: int | None = None) -> int:
 class IndexerLaunches(NamedTuple):
     out: torch.Tensor  # [B, S, topk] int32
     # per group of query tokens (token_group), in order: (indexer_scores_kernel launch,
-    # topk_row_kernel launches, topk_kernel launch or None) -- topk_launches' pair after the
-    # scores launch (never None): one row launch, the split top-k's two, or the looped one;
-    # or fused_launches' (the scores launch doing stage 1, then stage 2 alone).
+    # topk_row_kernel launches, topk_kernel launch or None): topk_launches' or fused_launches'.
     # Empty when there is nothing to launch (no tokens, or an empty pool: out is then all -1).
     groups: tuple
 
@@ -743,29 +677,29 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         return IndexerLaunches(out, ())
     G = S if scores is not None else token_group(B, S, N, budget)
     if G == S:  # every decode step: one [B, S, N] scratch, no views
-        cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
-                                *_fp8_keys(q, keys, config)), **(config or {})}
-        if cfg.get("TOPK_FUSED", 0):
-            return IndexerLaunches(out, (fused_launches(q, weights, keys, visible, topk, out, scores, cfg,
-                                                        block_table),))
-        scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg, block_table=block_table)
-        return IndexerLaunches(out, ((scoring, *topk_launches(scores, visible, topk, out, cfg)),))
+        return IndexerLaunches(out, (_group_launches(q, weights, keys, visible, topk, out, scores, config,
+                                                     block_table),))
     scratch = torch.empty((B, G, N), dtype=torch.float32, device=q.device)
     groups = []
-    for s0 in range(0, S, G):
+    for s0 in range(0, S, G):  # each group scores into rows [0, s1 - s0) of the scratch
         s1 = min(S, s0 + G)
-        cfg = {**indexer_config(B, s1 - s0, q.shape[2], q.shape[3], N, topk, sm_count(q.device), backend(),
-                                *_fp8_keys(q, keys, config)), **(config or {})}
-        # the scores kernel writes rows [0, s1 - s0) of the scratch; the top-k reads those rows and
-        # writes the group's rows of out
-        if cfg.get("TOPK_FUSED", 0):
-            groups.append(fused_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], topk,
-                                         out[:, s0:s1], scratch[:, : s1 - s0], cfg, block_table))
-            continue
-        _, scoring = scores_launch(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], out=scratch, config=cfg,
-                                   block_table=block_table)
-        groups.append((scoring, *topk_launches(scratch[:, : s1 - s0], visible[:, s0:s1], topk, out[:, s0:s1], cfg)))
+        groups.append(_group_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], topk,
+                                      out[:, s0:s1], scratch[:, : s1 - s0], config, block_table))
     return IndexerLaunches(out, tuple(groups))
+
+
+def _group_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int,
+                    out: torch.Tensor, scores: torch.Tensor | None, config: dict | None,
+                    block_table: torch.Tensor | None) -> tuple:
+    """The launches of one group of query tokens (``IndexerLaunches.groups``): the fused top-k's, or
+    the scores launch then ``topk_launches``' pair."""
+    B, S = visible.shape
+    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], entries(keys, block_table), topk, sm_count(q.device),
+                            backend(), *_fp8_keys(q, keys, config)), **(config or {})}
+    if cfg.get("TOPK_FUSED", 0):
+        return fused_launches(q, weights, keys, visible, topk, out, scores, cfg, block_table)
+    scores, scoring = scores_launch(q, weights, keys, visible, out=scores, config=cfg, block_table=block_table)
+    return (scoring, *topk_launches(scores, visible, topk, out, cfg))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,

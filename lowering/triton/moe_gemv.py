@@ -34,8 +34,7 @@ __all__ = ["moe_gemv", "moe_gemv_launches", "moe_gate_up_kernel", "moe_down_kern
 # the model takes this path while tokens * top_k is at most this (batch 1-8 at V4's top-6)
 MAX_ASSIGNMENTS = 64
 
-# launch configuration (block sizes cap at the problem's widths): the fastest of the H200 sweep at
-# batch 1 over 6 Flash-width experts (benchmarks/bench_moe.py --sweep; docs/kernels.md)
+# launch configuration (block sizes cap at the problem's widths): the fastest measured (docs/kernels.md)
 DEFAULT_CONFIG = dict(gate_up_rows=4, gate_up_cols=512, gate_up_stages=3, gate_up_warps=4,
                       down_rows=8, down_cols=512, down_stages=3, down_warps=4)
 

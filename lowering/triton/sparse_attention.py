@@ -3,41 +3,34 @@ entry set (window rows ∪ indexer-picked compressed entries ∪ a dense compres
 one fp32 softmax with the per-head sink. Contract: ``dsv4_ops.reference.sparse_attention``.
 
 How it is parallelised (grid ``(B * S, cdiv(H, BLOCK_H), NUM_SPLITS)``):
-- One program = one query token ``(b, s)`` x one block of ``BLOCK_H`` heads (all 64 heads of
-  V4-Flash at ``BLOCK_H = 64``). Decode is bound by the bytes of the gathered rows, so each
-  row is read from HBM once per token and used by every head of the block:
-  ``scores = q[BLOCK_H, D] @ rows[BLOCK_N, D]^T`` and ``acc += p @ rows`` on tensor cores,
+- One program = one query token ``(b, s)`` x one block of ``BLOCK_H`` heads. Decode is bound by
+  the bytes of the gathered rows, so each row is read once per token and used by every head of
+  the block: ``q[BLOCK_H, D] @ rows[BLOCK_N, D]^T`` and ``acc += p @ rows`` on tensor cores,
   online softmax (running max ``m``, sum ``l``) in fp32 with ``exp2``.
 - The entry list is virtual: ``[0, W)`` are ``kv_idx`` (window rows of ``kv``), ``[W, W+K)``
-  ``cmp_idx`` (rows of ``cmp``), ``[W+K, W+K+cmp_len)`` the dense prefix of ``cmp``. A block
-  may straddle segments: each lane picks its row pointer by segment, and -1 entries are masked
-  (no memory traffic). The loop stops at the query's own ``W + K + min(cmp_len, Nc)`` (read on
-  the device), not at the static capacity.
+  ``cmp_idx`` (rows of ``cmp``), ``[W+K, W+K+cmp_len)`` the dense prefix of ``cmp``. Each lane
+  picks its row pointer by segment; -1 entries are masked (no memory traffic). The loop stops at
+  the query's own ``W + K + min(cmp_len, Nc)`` (read on the device).
 - The sink is folded in once, at the end, with the same max:
-  ``out = acc * 2^(m - M) / (l * 2^(m - M) + 2^(sink - M))``, ``M = max(m, sink)``. A query
-  with no entries gets ``0 / 1 = 0``, as in the reference.
-- Split-KV (``NUM_SPLITS > 1``, chosen from static sizes only): one program fills an SM, so
-  when the tokens and head blocks alone leave SMs idle, the third grid dimension cuts the
-  query's valid entries into contiguous chunks (multiples of ``BLOCK_N``). Each writes its fp32
-  partials ``(m, l, acc)`` and ``combine_kernel`` merges them, adding the sink once: the same
-  single softmax.
-- FP8 caches (``dsv4_ops/reference/fp8_cache.py``; ``FP8`` 1: the compressed pool, 2: the
-  window source too): rows are gathered as bytes from their pages (codes, footer scales, bf16
-  rope) and decoded in registers before the dots (``fp8_codec``). The byte loads are inline in
-  the kernel body (no pointer passed to a helper), so torch's mutation analysis never takes the
-  read-only caches for written ones.
-- Paged compressed pools (``CMP_PAGED``, a ``block_table [B, P]``;
-  ``dsv4_ops.reference.ops.paged_rows``): ``cmp`` is pages ``[num_pages, page, ...]`` shared by
-  the rows, at its own (possibly padded) page stride. A block's compressed entries are translated
-  to physical ones (``page * page_size + slot``) when their indices are read, one block ahead,
-  so the page lookup adds no dependent load in front of the row gather. A constexpr switch, so
-  the per-row kernel is unchanged.
+  ``out = acc * 2^(m - M) / (l * 2^(m - M) + 2^(sink - M))``, ``M = max(m, sink)``; a query with
+  no entries gets ``0 / 1 = 0``, as in the reference.
+- Split-KV (``NUM_SPLITS > 1``, from static sizes only): when the tokens and head blocks leave
+  SMs idle, the third grid dimension cuts the entries into contiguous chunks (multiples of
+  ``BLOCK_N``) whose fp32 partials ``(m, l, acc)`` ``combine_kernel`` merges, adding the sink
+  once: the same single softmax.
+- FP8 caches (``dsv4_ops/reference/fp8_cache.py``; ``FP8`` 1: the compressed pool, 2: the window
+  source too): rows are gathered as bytes from their pages and decoded in registers
+  (``fp8_codec``). The byte loads are inline (no pointer passed to a helper), so torch's mutation
+  analysis never takes the read-only caches for written ones.
+- Paged compressed pools (``CMP_PAGED``, ``block_table [B, P]``; ``reference.ops.paged_rows``):
+  ``cmp`` is pages ``[num_pages, page, ...]`` shared by the rows, at its own (possibly padded)
+  page stride; a block's entries are translated to physical ones when their indices are read,
+  one block ahead, so the page lookup adds no dependent load in front of the row gather.
 
-Backends: ROCm (wave64, no wgmma) takes smaller tiles and one stage (:func:`attention_config`);
-the interpreter multiplies through fp32 (``_dot``). Why it stays short of its bytes floor: Triton gives a dot that feeds another dot a layout with
-all warps on M, so both warpgroups compute the same scores; splitting them needs warp
-specialisation, which ``tl`` cannot express for pointer gathers (``lowering/gluon/`` can).
-Measurements and the alternatives tried: docs/kernels.md, "Sparse attention".
+Backends: ROCm takes smaller tiles and one stage (:func:`attention_config`); the interpreter
+multiplies through fp32 (``_dot``). Why it stays short of its bytes floor (a dot feeding a dot
+puts all warps on M, so both warpgroups compute the same scores, and ``tl`` cannot warp-specialise
+pointer gathers; ``lowering/gluon/`` can) and the alternatives tried: docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -185,11 +178,9 @@ def sparse_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # The entry indices are read one block ahead and carried into the next iteration, so
-    # the row gather's address depends on no load of its own iteration: Triton's pipeliner
-    # then treats the gather as a direct load and keeps num_stages - 1 blocks of rows in
-    # flight (with the index load inside the iteration it counts one level of indirection
-    # and keeps one).
+    # The entry indices are read one block ahead, so the row gather's address depends on no load
+    # of its own iteration: Triton's pipeliner then keeps num_stages - 1 blocks of rows in flight
+    # (with the index load inside the iteration it keeps one).
     # The page lookup (CMP_PAGED) is inline, twice: torch's mutation analysis may count a helper's
     # pointer arguments as written, and the block table is a graph input.
     v_next = lo + tl.arange(0, BLOCK_N)
@@ -309,7 +300,7 @@ def combine_kernel(
 # launch configuration: a pure function of static sizes (never of tensor values)
 # --------------------------------------------------------------------------------------
 _MIN_ENTRIES_PER_SPLIT = 64  # 2 blocks of 32: every split loops over at least two row blocks
-_MAX_SPLITS = 16  # the range the H200 split sweeps covered (docs/kernels.md)
+_MAX_SPLITS = 16  # the range the split sweeps covered
 # shared memory one program may use: sm_90 (H100/H200) opt-in maximum; gfx942 LDS (gfx950 has more)
 SMEM_LIMIT = {"cuda": 232448, "hip": 65536}
 
@@ -318,12 +309,9 @@ def attention_smem_bytes(cfg: dict, elem_bytes: int, fp8: int = 0) -> int:
     """Upper estimate of ``sparse_attention_kernel``'s shared memory: the q tile plus
     ``num_stages`` blocks of entry rows (exact for the bf16 wgmma configs on sm_90).
 
-    ``fp8`` is the kernel's ``FP8`` mode (1: an FP8 pool with float window rows, 2: FP8 window
-    and pool). An FP8 row block stages its codes, rope and scales, 1.25 bytes a row element,
-    and mode 1 the float window rows too; the decoded block is one more row block of the dot
-    dtype. An upper bound on purpose: the JIT once asked for more shared memory than a
-    cross-compile of the same kernel reported (docs/kernels.md), and every sm_90 config of the
-    cross-compile tests fits within this estimate."""
+    ``fp8``: the kernel's ``FP8`` mode. An FP8 row block stages its codes, rope and scales (1.25
+    bytes a row element), mode 1 the float window rows too, plus one decoded row block of the dot
+    dtype. An upper bound on purpose: the JIT may ask for more than a cross-compile reports."""
     q = elem_bytes * cfg["BLOCK_H"] * cfg["BLOCK_D"]
     block = cfg["BLOCK_N"] * cfg["BLOCK_D"]
     if fp8:
@@ -343,21 +331,17 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
     ``backend`` is ``"cuda"`` or ``"hip"`` (wave64, no wgmma); ``dtype`` that of the rows
     (the queries' for an FP8 cache, ``fp8`` 1 or 2, whose rows are decoded to it).
 
-    D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages (3 row
-    blocks in flight): wgmma, no spills, ~197 KB of shared memory, so one program per SM; the
-    fastest of the H200 sweep. gfx942/gfx950 ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the
-    largest tile that compiles without VGPR/SGPR spills (not timed on AMD hardware). 4-byte
-    dtypes (fp32) take half the heads per program, since their IEEE dots run on FMA units with
-    the operands in registers, and as many stages as fit in ``SMEM_LIMIT`` by
-    :func:`attention_smem_bytes` (sm_90: 2). FP8 caches (``fp8``: the kernel's ``FP8`` mode, 1
-    or 2) on CUDA take 3 stages where they fit, the fastest 32-row config of the H200 sweep.
-    64-row blocks were faster but are not the default: the float cache's 32-row blocks then
-    round the bf16 probabilities differently, and the FP8 model test at V4 widths exceeds its
-    bound (docs/kernels.md, "FP8 caches").
+    D = 512 (V4), 2-byte dtypes: sm_90 ``BLOCK_H=64, BLOCK_N=32``, 8 warps, 4 stages: wgmma, no
+    spills, one program per SM (the fastest measured, docs/kernels.md). gfx942/gfx950
+    ``BLOCK_H=32, BLOCK_N=16``, 4 warps, 1 stage: the largest tile without VGPR/SGPR spills.
+    4-byte dtypes take half the heads per program (their IEEE dots run on FMA units with the
+    operands in registers) and as many stages as fit ``SMEM_LIMIT`` (:func:`attention_smem_bytes`).
+    FP8 caches (``fp8``: the kernel's ``FP8`` mode) on CUDA take 3 stages where they fit, and
+    32-row blocks like the float cache's, so both round the bf16 probabilities alike.
 
-    Split-KV: since one program fills an SM, the programs should make one full wave:
-    the largest ``num_splits`` with ``B*S*head_blocks*num_splits <= sms``, with at most
-    ``_MAX_SPLITS`` splits of at least ``_MIN_ENTRIES_PER_SPLIT`` entries.
+    Split-KV: one program fills an SM, so the largest ``num_splits`` with
+    ``B*S*head_blocks*num_splits <= sms`` (one wave), at most ``_MAX_SPLITS`` splits of at least
+    ``_MIN_ENTRIES_PER_SPLIT`` entries.
     """
     block_d = next_pow2(D)
     hip = backend == "hip"
@@ -367,7 +351,7 @@ def attention_config(B: int, S: int, H: int, D: int, max_entries: int, sms: int 
         block_n = 16 if hip else 32
         num_warps = 8 if (not hip and block_h * block_d >= 32 * 512) else 4
         num_stages = 1 if hip else 4
-        if fp8 and not hip:  # FP8 rows stage fewer bytes: 3 stages, the fastest of the H200 sweep
+        if fp8 and not hip:  # FP8 rows stage fewer bytes: 3 stages
             num_stages = 3
     else:
         block_h = min(max(16, next_pow2(H)), 64)
@@ -519,13 +503,10 @@ def _rope_of(cache: torch.Tensor, D: int) -> int:
 
 def sparse_attention(*args, **kwargs) -> torch.Tensor:
     """Raw launcher with the reference signature plus ``out=``, ``num_splits=``, ``config=``
-    and ``max_entries=`` (those of :func:`attention_launches`; the overrides are for tests and
-    sweeps); returns ``out`` ``[B, S, H, D]`` in ``q.dtype``.
-
-    ``kv`` and ``cmp`` must share a dtype (rows are cast to ``q.dtype`` for the dots; fp32
-    inputs use IEEE fp32 dots). Indices outside ``[0, rows)`` are skipped like ``-1`` and
-    ``cmp_len`` is clamped to ``[0, Nc]`` (the raw-op contract, shared with the reference).
-    """
+    and ``max_entries=`` (those of :func:`attention_launches`, for tests and sweeps); returns
+    ``out`` ``[B, S, H, D]`` in ``q.dtype``. ``kv`` and ``cmp`` must share a dtype (rows are cast
+    to ``q.dtype`` for the dots; fp32 inputs use IEEE fp32 dots). Indices outside ``[0, rows)``
+    are skipped like ``-1``, ``cmp_len`` is clamped to ``[0, Nc]`` (the raw-op contract)."""
     launches = attention_launches(*args, **kwargs)
     launch(sparse_attention_kernel, launches.attention)
     launch(combine_kernel, launches.combine)
