@@ -118,16 +118,21 @@ def main(argv=None) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, config=args.config if not args.smoke else "tiny", args=vars(args))
 
-    if "decode" in args.parts:
-        result["decode_b1"] = _decode_b1(model, cfg, rng, args, common, eng_kw, device)
-    if "prefix" in args.parts:
-        result["prefix"] = _prefix(model, cfg, rng, args, eng_kw, device)
-    if "throughput" in args.parts:
-        result["throughput"] = _throughput(model, cfg, rng, args, common, eng_kw, device)
-    if "capacity" in args.parts:
-        result["capacity"] = _capacity(model, args, eng_kw)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+    def save(part: str, value: dict) -> None:  # after every part (throughput: every run), so a cut run keeps them
+        result[part] = value
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+    if "decode" in args.parts:
+        save("decode_b1", _decode_b1(model, cfg, rng, args, common, eng_kw, device))
+    if "prefix" in args.parts:
+        save("prefix", _prefix(model, cfg, rng, args, eng_kw, device))
+    if "throughput" in args.parts:
+        save("throughput", _throughput(model, cfg, rng, args, common, eng_kw, device,
+                                       lambda part: save("throughput", part)))
+    if "capacity" in args.parts:
+        save("capacity", _capacity(model, args, eng_kw))
     return 0
 
 
@@ -165,23 +170,16 @@ def _prefix(model, cfg, rng, args, eng_kw, device) -> dict:
                 hit_recordings=recordings)
 
 
-def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
-    """N concurrent requests of mixed lengths, the engine vs static Generator batches of N."""
+def _throughput(model, cfg, rng, args, common, eng_kw, device, save) -> dict:
+    """N concurrent requests of mixed lengths, the engine vs static Generator batches of N. ``save(part)``
+    writes what is measured so far: a run cut short (a GPU session's time ends) keeps every finished run."""
     N = args.concurrency
     hi = args.max_seq_len // 4
     reqs = [([rng.randrange(cfg.vocab_size) for _ in range(rng.randint(16, hi))], rng.randint(8, hi // 4))
             for _ in range(args.requests or 8 * N)]
     tokens = sum(n for _, n in reqs)
-    # one engine for every admission setting (they change no compiled step): random prompts share no prefix, and
-    # without the cache the same requests run the same steps again, so a run before each timed one compiles and
-    # records the shapes it takes (the first setting runs twice: with CUDA graphs a shape records on its second call)
-    eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
-    runs = [_engine_throughput(eng, reqs, dict(admit_wait=wait, admit_order=order), device, warm_runs=2 if i == 0 else 1)
-            for i, (order, wait) in enumerate((o, w) for o in args.admit_order for w in args.admit_wait)]
-    for r in runs:
-        print(f"engine, {_named(r)}: {len(reqs)} requests at concurrency {N} in {r['engine_s']:.2f} s "
-              f"({tokens / r['engine_s']:.0f} tok/s), " + ", ".join(f"{k} {v}" for k, v in r["timed"].items()),
-              flush=True)
+    out = dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_runs=[])
+    # the static baseline first: it compiles a few shapes, the engine every batch bucket (minutes)
     gen = Generator(model, max_batch_size=N, **common)  # its defaults: chunk buckets
     run_static = lambda: [gen.generate([p for p, _ in reqs[i:i + N]], [n for _, n in reqs[i:i + N]])  # noqa: E731
                           for i in range(0, len(reqs), N)]
@@ -189,21 +187,33 @@ def _throughput(model, cfg, rng, args, common, eng_kw, device) -> dict:
     run_static()
     gen_compile_before = gen.stats["compile_time_s"]
     t_gen = _timed(run_static, device)
-    for r in runs:
+    # compile time inside a timed run: 0 when the warm-ups covered every shape (else not steady state)
+    gen_timed_compile = gen.stats["compile_time_s"] - gen_compile_before
+    print(f"static Generator, batches of {N}: {len(reqs)} requests in {t_gen:.2f} s ({tokens / t_gen:.0f} tok/s)",
+          flush=True)
+    out.update(generator_s=t_gen, generator_tok_s=tokens / t_gen)
+    save(out)
+    # one engine for every admission setting (they change no compiled step): random prompts share no prefix, and
+    # without the cache the same requests run the same steps again, so a run before each timed one compiles and
+    # records the shapes it takes (the first setting runs twice: with CUDA graphs a shape records on its second call)
+    eng = Engine(model, max_running=N, **dict(eng_kw, prefix_cache=False))
+    settings = [dict(admit_order=o, admit_wait=w) for o in args.admit_order for w in args.admit_wait]
+    for i, admission in enumerate(settings):
+        r = _engine_throughput(eng, reqs, admission, device, warm_runs=2 if i == 0 else 1)
         r["ratio"] = t_gen / r["engine_s"]
-        # compile time inside the timed runs (0 when the warm-ups covered every shape; else not steady state)
-        r["timed_compile_s"]["generator"] = gen.stats["compile_time_s"] - gen_compile_before
-        s = r["stats"]
-        print(f"{len(reqs)} requests at concurrency {N}, {_named(r)}: Engine "
-              f"{tokens / r['engine_s']:.0f} tok/s, static Generator {tokens / t_gen:.0f} tok/s ({r['ratio']:.2f}x); "
-              f"recompiles {s['recompiles']}, graph breaks {s['graph_breaks']}; in the timed run: CUDA-graph replays "
-              f"{r['timed']['cuda_graph_replays']}, recordings {r['timed']['cuda_graph_recordings']}, compile: engine "
-              f"{r['timed_compile_s']['engine']:.1f} s, Generator {r['timed_compile_s']['generator']:.1f} s")
-    first = runs[0]  # the top-level fields: the first engine run's
-    return dict(requests=len(reqs), concurrency=N, new_tokens=tokens, engine_s=first["engine_s"], generator_s=t_gen,
-                engine_tok_s=tokens / first["engine_s"], generator_tok_s=tokens / t_gen, ratio=first["ratio"],
-                timed_compile_s=first["timed_compile_s"], timed=first["timed"], stats=first["stats"],
-                engine_runs=[{k: v for k, v in r.items() if k != "stats"} for r in runs])
+        r["timed_compile_s"]["generator"] = gen_timed_compile
+        s = r.pop("stats")
+        print(f"engine, {_named(r)}: {len(reqs)} requests at concurrency {N} in {r['engine_s']:.2f} s "
+              f"({tokens / r['engine_s']:.0f} tok/s, {r['ratio']:.2f}x the static Generator), "
+              + ", ".join(f"{k} {v}" for k, v in r["timed"].items())
+              + f"; recompiles {s['recompiles']}, graph breaks {s['graph_breaks']}, compile in the timed run: engine "
+              f"{r['timed_compile_s']['engine']:.1f} s, Generator {gen_timed_compile:.1f} s", flush=True)
+        out["engine_runs"].append(r)
+        if i == 0:  # the top-level fields: the first engine run's
+            out.update(engine_s=r["engine_s"], engine_tok_s=tokens / r["engine_s"], ratio=r["ratio"],
+                       timed_compile_s=r["timed_compile_s"], timed=r["timed"], stats=s)
+        save(out)
+    return out
 
 
 def _named(run: dict) -> str:

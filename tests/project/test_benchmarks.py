@@ -562,6 +562,30 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     assert mixed["longest_tokens"] > mixed["per_row_longest_tokens"] > mixed["short_tokens"]
 
 
+def test_bench_engine_keeps_the_static_baseline_and_each_finished_engine_run_when_cut_short(tmp_path, monkeypatch):
+    """A GPU session's time can end inside the engine's compile: the static run (first) and every finished engine
+    run are in the JSON by then."""
+    from benchmarks import bench_engine
+
+    out = tmp_path / "engine.json"
+    real = bench_engine._engine_throughput
+    calls = []
+
+    def cut_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the run is cut here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_engine, "_engine_throughput", cut_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        bench_engine.main(["--smoke", "--device", "cpu", "--parts", "throughput", "--admit-order", "arrival",
+                           "longest_output", "--out", str(out)])
+    t = json.loads(out.read_text())["throughput"]
+    assert t["generator_s"] > 0 and [r["admit_order"] for r in t["engine_runs"]] == ["arrival"]
+    assert t["ratio"] == t["generator_s"] / t["engine_runs"][0]["engine_s"]
+
+
 # ---- HF in place: bench_hf.py ----------------------------------------------------------------------------------------
 def test_bench_hf_smoke_times_every_path_and_the_first_calls_of_new_shapes(tmp_path):
     from benchmarks import bench_hf
