@@ -106,7 +106,7 @@ for what in "$@"; do
       if [ -n "${FLASHMLA:-}" ]; then build_flashmla && export FLASHMLA_DIR=$FLASHMLA || rc=1; fi
       kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/ops/*/test_*_paged.py tests/test_triton_interp*.py 2>/dev/null)
       { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
-        OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} \
+        OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8} --dist worksteal} \
           -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1
         python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} -m "not gpu" $kernel_tests -p no:cacheprovider || rc=1; } 2>&1 \
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
