@@ -67,15 +67,16 @@ def test_the_sm90_routes_physical_entries_over_shared_pages_equal_the_paged_call
     every listed entry a pick, the reference gives what it gives through the block table. Picks: several pages, -1,
     past the row's entries; prefixes: across pages, none, past the row (clamped), negative."""
     from dsv4_ops.ops.attention_sm90 import paged_entries, shared_rows
-    table, num_pages = shuffled_block_table(B, P)
-    window, pool, q = torch.randn(B, RING, D), torch.randn(B, P * PAGE, D), torch.randn(B, S, H, D)
+    table, num_pages = shuffled_block_table(B, P, device=DEVICE)
+    window, pool = torch.randn(B, RING, D, device=DEVICE), torch.randn(B, P * PAGE, D, device=DEVICE)
+    q = torch.randn(B, S, H, D, device=DEVICE)
     kv, rows = (fp8_rows(window, ROPE, RING), fp8_rows(pool, ROPE, PAGE)) if fmt == "fp8" else (window, pool)
     pages = to_pages(rows, table, num_pages)
     kv_idx = i32([[[0, 1, -1], [2, 3, 4]], [[5, -1, 0], [1, 2, 3]]])
     picks = i32([[[11, 0, 5], [4, -1, 7]], [[9, 3, P * PAGE], [8, 1, 2]]])
     cmp_idx = picks if kind != "hca" else picks[..., :0]
     cmp_len = i32([[0, 0], [0, 0]]) if kind == "csa" else i32([[7, 0], [P * PAGE + 5, -2]])
-    sink = torch.randn(H)
+    sink = torch.randn(H, device=DEVICE)
     want = ref.sparse_attention(q, kv, kv_idx, pages, cmp_idx, cmp_len, sink, D ** -0.5, table)
     entries, clen = paged_entries(pages, cmp_idx, cmp_len, table)
     assert entries.dtype == torch.int32 and entries.shape == (B, S, cmp_idx.shape[-1] + P * PAGE)
