@@ -677,24 +677,24 @@ def indexer_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
         return IndexerLaunches(out, ())
     G = S if scores is not None else token_group(B, S, N, budget)
     if G == S:  # every decode step: one [B, S, N] scratch, no views
-        return IndexerLaunches(out, (_group_launches(q, weights, keys, visible, topk, out, scores, config,
+        return IndexerLaunches(out, (_group_launches(q, weights, keys, visible, N, topk, out, scores, config,
                                                      block_table),))
     scratch = torch.empty((B, G, N), dtype=torch.float32, device=q.device)
     groups = []
     for s0 in range(0, S, G):  # each group scores into rows [0, s1 - s0) of the scratch
         s1 = min(S, s0 + G)
-        groups.append(_group_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], topk,
+        groups.append(_group_launches(q[:, s0:s1], weights[:, s0:s1], keys, visible[:, s0:s1], N, topk,
                                       out[:, s0:s1], scratch[:, : s1 - s0], config, block_table))
     return IndexerLaunches(out, tuple(groups))
 
 
-def _group_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, topk: int,
-                    out: torch.Tensor, scores: torch.Tensor | None, config: dict | None,
+def _group_launches(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, N: int,
+                    topk: int, out: torch.Tensor, scores: torch.Tensor | None, config: dict | None,
                     block_table: torch.Tensor | None) -> tuple:
-    """The launches of one group of query tokens (``IndexerLaunches.groups``): the fused top-k's, or
-    the scores launch then ``topk_launches``' pair."""
+    """The launches of one group of query tokens (``IndexerLaunches.groups``) over ``N`` entries a row:
+    the fused top-k's, or the scores launch then ``topk_launches``' pair."""
     B, S = visible.shape
-    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], entries(keys, block_table), topk, sm_count(q.device),
+    cfg = {**indexer_config(B, S, q.shape[2], q.shape[3], N, topk, sm_count(q.device),
                             backend(), *_fp8_keys(q, keys, config)), **(config or {})}
     if cfg.get("TOPK_FUSED", 0):
         return fused_launches(q, weights, keys, visible, topk, out, scores, cfg, block_table)
