@@ -2,9 +2,10 @@
 
 Every op runs on one decode token of ``DSV4Config.tiny()``'s widths (batch 1, 64 tokens of context),
 so its compute is small and the time is the call's host cost: Python glue, the dispatcher, checks,
-launch metadata, allocations and launches. Four entries per op:
+launch metadata, allocations and launches. Five entries per op:
 
 - ``wrapper``: the public, checked function (``dsv4_ops.ops.<op>``, also ``dsv4_ops.<op>``);
+- ``unchecked``: the same inside ``dsv4_ops.ops.value_checks(False)``: metadata checks only, no device read;
 - ``direct``: ``dsv4_ops.ops.direct.dsv4.<op>``, what the model's layers call: in plain eager calls the op's
   body without the dispatcher's Python layers (``direct.py``);
 - ``raw``: the registered op (``torch.ops.dsv4.<op>``), through the dispatcher;
@@ -383,10 +384,12 @@ def run(args) -> dict:
     for op in args.ops:
         inputs = op_inputs(op, args.batch, dtype, device)
         wrapper, raw = getattr(dsv4, op), getattr(torch.ops.dsv4, op)
-        # wrapper: the public call; direct: what the model's layers call; raw: the op through the dispatcher;
-        # checks: the wrapper's own cost (its checks and glue), with the op stubbed to return its output
+        # wrapper: the public call; unchecked: the same with its value checks off; direct: what the model's layers
+        # call; raw: the op through the dispatcher; checks: the wrapper's own cost (its checks and glue), with the op
+        # stubbed to return its output
         none = contextlib.nullcontext()
-        entries = {"wrapper": (wrapper, none), "direct": (getattr(direct.dsv4, op), none), "raw": (raw, none),
+        entries = {"wrapper": (wrapper, none), "unchecked": (wrapper, dsv4.value_checks(False)),
+                   "direct": (getattr(direct.dsv4, op), none), "raw": (raw, none),
                    "checks": (wrapper, op_stubbed(op, raw(*inputs)))}
         for entry, (fn, context) in entries.items():
             def call(fn=fn, inputs=inputs):
@@ -394,10 +397,10 @@ def run(args) -> dict:
             with context:
                 row = dict(op=op, entry=entry, route=route(op, inputs), **host_us(call, device, args.calls,
                                                                                   args.repeats))
-                if device.type == "cuda" and entry in ("wrapper", "direct"):
+                if device.type == "cuda" and entry in ("wrapper", "unchecked", "direct"):
                     row["gpu_us"] = gpu_us(call, device, args.calls, args.repeats)
             rows.append(row)
-            print(f"{op:17s} {entry:8s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
+            print(f"{op:17s} {entry:9s} {row['route']:28s} {row['host_us']:9.1f} us (CPU time {row['cpu_us']:.1f})",
                   file=sys.stderr)
         if device.type == "cuda":
             rows += launch_rows(op, inputs, device, args)

@@ -95,7 +95,7 @@ def sparse_attention(
     Returns ``[B, S, H, D]`` in ``q.dtype``, contiguous.
     """
     v.once_per_signature(_check_arguments, q, kv, kv_idx, cmp, cmp_idx, cmp_len, sink, block_table)
-    if v.reads_values(kv_idx, cmp_idx, cmp_len, *v.present(block_table)):
+    if v.checks_op_values(kv_idx, cmp_idx, cmp_len, *v.present(block_table)):
         op, nc = "sparse_attention", v.entries(cmp, block_table)
         v.run_value_checks(*v.block_table_checks(op, block_table, cmp),
                            v.index_range_check(op, "kv_idx", kv_idx, v.entries(kv), "kv rows"),

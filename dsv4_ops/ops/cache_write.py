@@ -71,7 +71,7 @@ def cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Tenso
     whose write order no backend defines) instead.
     """
     v.once_per_signature(_check_arguments, cache, values, slots, block_table)
-    if v.reads_values(slots, *v.present(block_table)):
+    if v.checks_op_values(slots, *v.present(block_table)):
         op = "cache_write"
         v.run_value_checks(v.index_range_check(op, "slots", slots, v.entries(cache, block_table), "cache rows"),
                            v.distinct_per_row_check(op, "slots", slots),

@@ -95,7 +95,7 @@ def compress(
     """
     v.once_per_signature(_check_arguments, ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin,
                          pool, ratio, overlap, block_table)
-    if v.reads_values(start, emit, *v.present(block_table)):
+    if v.checks_op_values(start, emit, *v.present(block_table)):
         _check_values(ring_kv, new_kv, start, emit, cos, pool, ratio, overlap, block_table)
     dsv4.compress(ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio,
                   overlap, eps, block_table)

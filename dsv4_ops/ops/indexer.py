@@ -87,7 +87,7 @@ def indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, topk
     such values instead.
     """
     v.once_per_signature(_check_arguments, q, weights, keys, visible, topk, block_table)
-    if v.reads_values(visible, *v.present(block_table)):
+    if v.checks_op_values(visible, *v.present(block_table)):
         op, N = "indexer_topk", v.entries(keys, block_table)
         v.run_value_checks(*v.block_table_checks(op, block_table, keys),
                            v.in_range_check(op, "visible", visible, 0, N, f"keys entries N={N}"))

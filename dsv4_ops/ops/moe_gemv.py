@@ -78,7 +78,7 @@ def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tenso
     rejects them.
     """
     v.once_per_signature(_check_arguments, x, indices, weights, w13, w2)
-    if v.reads_values(indices):
+    if v.checks_op_values(indices):
         E = w13.shape[0]
         v.run_value_checks(v.in_range_check("moe_gemv", "indices", indices, 0, E - 1, f"the experts E={E}"))
     return dsv4.moe_gemv(x, indices, weights, w13, w2, float(limit))

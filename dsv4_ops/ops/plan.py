@@ -85,7 +85,7 @@ def plan(
     """
     v.once_per_signature(_check_arguments, lengths, n_new, num_tokens, steps, window, win_ring, win_concat,
                          csa_ratio, csa_ring, hca_ratio, hca_ring)
-    if v.reads_values(lengths, n_new):
+    if v.checks_op_values(lengths, n_new):
         op = "plan"
         last = lengths.long() + steps * n_new.long()
         v.run_value_checks(v.in_range_check(op, "n_new", n_new, 0, num_tokens, f"num_tokens={num_tokens}"),

@@ -12,9 +12,15 @@ and devices of the tensors, the other arguments' values -- since they read nothi
 (:func:`once_per_signature`); the value checks of one call are computed on the device and read
 back together, one host read a call (:func:`run_value_checks`), and only a failed check runs
 its detailed form, which finds the offending element for the message.
+
+On a GPU those value checks cost more than the op (a few small launches and a sync that waits for
+the queued work): a caller whose indices come from ``plan`` or its own tested code turns them off
+with :func:`value_checks` and keeps the metadata checks. The raw ops stay memory-safe without them
+(each op's docstring says what it does with out-of-range values: skipped, clamped, counted as 0).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, NamedTuple
 
@@ -151,6 +157,30 @@ def once_per_signature(check: Callable[..., None], *args) -> None:
 
 
 # ---- value checks: eager only ---------------------------------------------------------
+_op_value_checks = True  # process-wide, as torch's own debug switches (anomaly mode, sparse invariants)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turn the public op wrappers' value checks on or off inside the ``with`` block (process-wide;
+    on by default). Off, a wrapper checks metadata only (once per signature) and never reads the
+    device: no sync, nothing launched besides the op."""
+    global _op_value_checks
+    if not isinstance(enabled, bool):
+        raise ValueError(f"value_checks: enabled must be a bool, got {enabled!r}")
+    before, _op_value_checks = _op_value_checks, enabled
+    try:
+        yield
+    finally:
+        _op_value_checks = before
+
+
+def checks_op_values(*tensors: Tensor) -> bool:
+    """True when an op wrapper runs its value checks on these tensors: on (:func:`value_checks`)
+    and :func:`reads_values`."""
+    return _op_value_checks and reads_values(*tensors)
+
+
 def reads_values(*tensors: Tensor) -> bool:
     """True when value checks may read these tensors: eager, real data, not capturing."""
     if torch.compiler.is_compiling():

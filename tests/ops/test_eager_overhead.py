@@ -1,7 +1,8 @@
 """What an eager call of each op does on its hot path (#47), counted, never timed: a public wrapper
 runs its metadata checks once per signature (shapes, dtypes, devices, static ints) and still
 rejects bad values on a signature it has seen; its value checks read the host once a call (none
-for the ops without value checks); the raw ``torch.ops.dsv4`` ops, what the model calls, read
+for the ops without value checks), none inside ``ops.value_checks(False)``, where a bad value reaches the raw op,
+which handles it as documented; the raw ``torch.ops.dsv4`` ops, what the model calls, read
 nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``); launch
 configurations are memoised, each call getting its own dict. Also a smoke run of
 benchmarks/bench_op_overhead.py."""
@@ -93,6 +94,50 @@ def test_wrapper_reads_the_host_once_a_call_for_its_value_checks(op):
     assert counts == ({"tolist": 1} if op in VALUE_CHECKED else {})
 
 
+@pytest.mark.parametrize("op", VALUE_CHECKED)
+def test_with_value_checks_off_a_wrapper_reads_nothing_and_writes_the_raw_ops_bits(op):
+    args = bench.op_inputs(op, 2, torch.float32, CPU)
+    copies = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    wrapper = getattr(ops, op)
+    counts = {}
+    with ops.value_checks(False), bench.counting_host_reads(counts):
+        got = wrapper(*args)
+    want = getattr(torch.ops.dsv4, op)(*copies)
+    assert counts == {}
+    for g, w in zip(torch.utils._pytree.tree_leaves((got, args)), torch.utils._pytree.tree_leaves((want, copies))):
+        if isinstance(g, torch.Tensor):
+            assert torch.equal(g, w)  # outputs and mutated arguments alike
+
+
+def test_with_value_checks_off_a_bad_index_reaches_the_raw_op_and_metadata_is_still_checked(no_seen_signatures):
+    args = list(bench.op_inputs("sparse_attention", 1, torch.float32, CPU))
+    args[2] = args[2].clone()
+    args[2][0, 0, 3] = 16  # past the window ring's 16 rows: the raw op skips it like -1
+    with ops.value_checks(False):
+        got = dsv4_ops.sparse_attention(*args)
+        with pytest.raises(ValueError, match=r"sparse_attention: kv_idx must be torch.int32, got torch.int64"):
+            dsv4_ops.sparse_attention(*args[:2], args[2].long(), *args[3:])
+    skipped = args[2].clone()
+    skipped[0, 0, 3] = -1
+    assert torch.equal(got, torch.ops.dsv4.sparse_attention(*args[:2], skipped, *args[3:]))
+    with pytest.raises(ValueError, match=r"kv_idx\[0, 0, 3\] = 16 is beyond kv rows N=16"):
+        dsv4_ops.sparse_attention(*args)  # on again after the block
+
+
+def test_value_checks_come_back_on_after_an_exception_and_take_only_a_bool():
+    args = list(bench.op_inputs("cache_write", 2, torch.float32, CPU))
+    args[2] = torch.tensor([[3], [-2]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="inside"):
+        with ops.value_checks(False):
+            ops.cache_write(*args)  # unchecked: the raw op skips slot -2
+            raise RuntimeError("inside")
+    with pytest.raises(ValueError, match=r"cache_write: slots\[1, 0\] = -2 is below the minimum -1"):
+        ops.cache_write(*args)
+    with pytest.raises(ValueError, match=r"value_checks: enabled must be a bool, got 0"):
+        with ops.value_checks(0):
+            pass
+
+
 @pytest.mark.parametrize("op", bench.OPS)
 def test_raw_op_reads_nothing_back(op):
     args = bench.op_inputs(op, 2, torch.float32, CPU)
@@ -114,6 +159,22 @@ def test_raw_op_never_syncs_on_cuda(op):
     torch.cuda.set_sync_debug_mode("error")
     try:
         raw(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", VALUE_CHECKED)
+def test_a_wrapper_with_value_checks_off_never_syncs_on_cuda(op):
+    args = bench.op_inputs(op, 1, torch.bfloat16, torch.device("cuda"))
+    wrapper = getattr(ops, op)
+    wrapper(*args)  # compiles the kernels, checks the metadata
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with ops.value_checks(False):
+            wrapper(*args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -155,7 +216,7 @@ def test_bench_op_overhead_cpu_smoke(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["op"], r["entry"]) for r in rows] == [(op, entry) for op in ("plan", "gemv")
-                                                      for entry in ("wrapper", "direct", "raw", "checks")] + \
+                                                      for entry in ("wrapper", "unchecked", "direct", "raw", "checks")] + \
         [(op, "baseline") for op in ("torch.add", "F.linear", "torch.empty")]
     assert all(r["host_us"] > 0 and r["host_us_best"] <= r["host_us"] and r["cpu_us"] >= 0 for r in rows)
     assert isinstance(direct.dsv4.plan, direct.DirectOp)  # the checks row's stub is gone
