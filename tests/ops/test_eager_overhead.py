@@ -138,6 +138,19 @@ def test_value_checks_come_back_on_after_an_exception_and_take_only_a_bool():
             pass
 
 
+def test_a_compiled_wrapper_does_not_recompile_when_value_checks_switch():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(lambda *a: ops.cache_write(*a), backend=counter, fullgraph=True)
+    args = bench.op_inputs("cache_write", 1, torch.float32, CPU)
+    compiled(*args)
+    with ops.value_checks(False):
+        compiled(*args)
+    compiled(*args)
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("op", bench.OPS)
 def test_raw_op_reads_nothing_back(op):
     args = bench.op_inputs(op, 2, torch.float32, CPU)
