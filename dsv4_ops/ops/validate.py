@@ -176,10 +176,11 @@ def value_checks(enabled: bool):
 
 
 def checks_op_values(*tensors: Tensor) -> bool:
-    """True when an op wrapper runs its value checks on these tensors: :func:`reads_values` and on
-    (:func:`value_checks`). In that order: a traced call reads no switch, so its graph does not
-    guard on it."""
-    return reads_values(*tensors) and _op_value_checks
+    """True when an op wrapper runs its value checks on these tensors: on (:func:`value_checks`) and
+    :func:`reads_values`. A traced call reads no switch, so its graph does not guard on it."""
+    if torch.compiler.is_compiling():
+        return False
+    return _op_value_checks and reads_values(*tensors)
 
 
 def reads_values(*tensors: Tensor) -> bool:
