@@ -302,7 +302,7 @@ def bench_engine(model, cfg, mode: str, batch: int, contexts: list[int], args, l
                    warmup=args.warmup, method=t.method, floor_ms=floor["floor_ms"], floor_bytes=floor["total"],
                    experts_read=floor["experts_read"], floor_fraction=floor["floor_ms"] / t.ms,
                    first_call_s=first, context_prefill_s=ctx_prefill)
-        if hasattr(engine, "lengths"):  # a Generator: probe the routing of the same step eagerly
+        if isinstance(engine, Generator):  # the model holds the caches: probe the routing of the same step eagerly
             routed = routed_floor_parts(model, cfg, probe_decode_routing(model, ids, engine.lengths[:batch]),
                                         batch, ctx, kv_cache_dtype=kv_cache_dtype)
             row.update(experts_routed=routed["experts_routed"], routed_floor_bytes=routed["total"],
