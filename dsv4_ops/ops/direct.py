@@ -5,7 +5,8 @@ dynamo-disable frame, triton_op's ``wrap_triton`` switch, the aliasing check; ou
 ADInplaceOrView kernels too) cost 6-19 µs a call on the H100 box, as much as a small op's launch. They matter only
 where something watches the call: torch.compile or export tracing, a dispatch or function mode, functorch, tensor
 subclasses, autograd recording; there the call is the registered op. A plain eager call runs the body the dispatcher
-would reach and bumps the mutated arguments' version counters as ADInplaceOrView does.
+would reach and bumps each mutated argument's version counter once, as ADInplaceOrView does, whatever the body
+(a Triton kernel or in-place aten ops) does inside.
 """
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ class DirectOp:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() or kwargs or _watched(args):
             return self.op(*args, **kwargs)
-        if self.mutated:
-            torch._C._increment_version(tuple(args[i] for i in self.mutated if i < len(args) and args[i] is not None))
-        return self.body(*args)
+        if not self.mutated:
+            return self.body(*args)
+        torch._C._increment_version(tuple(args[i] for i in self.mutated if i < len(args) and args[i] is not None))
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # the body's own in-place aten ops bump nothing more
+            return self.body(*args)
 
 
 class DirectOps:

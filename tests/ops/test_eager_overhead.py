@@ -271,14 +271,17 @@ def test_plain_eager_calls_run_the_body_with_the_registered_ops_bits(op, grad_mo
             assert torch.equal(g, w)  # outputs and mutated arguments alike
 
 
-def test_a_mutating_call_bumps_the_mutated_arguments_version_as_the_dispatcher_does():
+def test_a_mutating_call_bumps_the_mutated_arguments_version_once_as_adinplaceorview_does():
+    # autograd compares a saved tensor's version with its current one; a write it cannot see is a silent wrong gradient.
+    # The dispatched call bumps at least once (torch 2.11 once; 2.13 once more from the body's own in-place ops).
     with torch.no_grad():
         cache, values, slots = bench.op_inputs("cache_write", 1, torch.float32, CPU)
         before = cache._version
         direct.dsv4.cache_write(cache, values, slots)
-        bumped = cache._version - before
+        assert cache._version - before == 1
+        before = cache._version
         torch.ops.dsv4.cache_write(cache, values, slots)
-        assert bumped == cache._version - before - bumped >= 1
+        assert cache._version - before >= 1
 
 
 def test_calls_that_something_watches_go_through_the_registered_op():
