@@ -6,10 +6,13 @@ graphs). Plain decode: prefill ``--batch`` prompts of ``--context`` tokens, warm
 ``Generator(spec_steps=k)``, and the profiles of ``generate`` at two lengths are subtracted, so
 the prefill's kernels cancel and what is left, divided by the step difference, is one
 speculative step. With ``--engine``: the serving ``Engine``'s decode iterations (``step()`` after
-the prompts' prefill, ``--batch`` requests), kernels and host per iteration. Prints per step: kernel count, summed kernel time, the step's time
+the prompts' prefill, ``--batch`` requests), kernels and host per iteration. With ``--parts prefill``: one
+``gen.prefill(prompts)`` of the ``--batch`` x ``--context`` prompt (``--prefill-chunk``, default the chunk buckets), where
+time to first token goes. Prints per step: kernel count, summed kernel time, the step's time
 (benchmarks/timing.py) -- the gap to the kernel sum is launch / host time -- and the top kernels.
 
     python3 tools/profile_step.py --batch 1 --context 4096 [--spec 3 | --engine] [--config flash-slice] [--out f.json]
+    python3 tools/profile_step.py --config flash-slice --parts prefill [--prefill-chunk 2048]
 """
 from __future__ import annotations
 
@@ -128,6 +131,9 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, nargs=2, default=[8, 40], metavar=("N_SHORT", "N_LONG"))
     ap.add_argument("--engine", action="store_true", help="also profile the serving Engine's decode iterations")
     ap.add_argument("--config", choices=CONFIGS, default="bench")
+    ap.add_argument("--parts", nargs="+", choices=("decode", "prefill"), default=["decode"],
+                    help="prefill: also one prefill call's kernels and host time")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="the Generator's prefill_chunk (default: buckets)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.device, args.smoke, args.layers = "cuda", False, 2
@@ -136,19 +142,26 @@ def main(argv=None) -> None:
     B, ctx = args.batch, args.context
     prompts = torch.randint(0, cfg.vocab_size, (B, ctx)).tolist()
     res = {}
-    gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=True)
-    gen.prefill(prompts)
-    ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
-    t = time_call(lambda: gen.decode(ids), "cuda", warmup=5, iters=50)
+    gen = Generator(model, max_batch_size=B, max_seq_len=ctx + 256, compile=True, prefill_chunk=args.prefill_chunk)
+    gen.prefill(prompts)  # compiles the prefill chunks
+    if "prefill" in args.parts:
+        t = time_call(lambda: gen.prefill(prompts), "cuda", warmup=1, iters=3, sync_each=True)
+        got = kernels(lambda: gen.prefill(prompts))
+        res["prefill"] = table({n: (len(v), sum(v)) for n, v in got.items()}, t.ms,
+                               f"prefill B={B} x {ctx} (chunk {args.prefill_chunk or 'buckets'})", log)
+        res["prefill"]["host"] = host_profile(lambda: gen.prefill(prompts), 1, log)
+    if "decode" in args.parts:
+        ids = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
+        t = time_call(lambda: gen.decode(ids), "cuda", warmup=5, iters=50)
 
-    def decode_reps() -> None:
-        for _ in range(args.reps):
-            gen.decode(ids)
+        def decode_reps() -> None:
+            for _ in range(args.reps):
+                gen.decode(ids)
 
-    got = kernels(decode_reps)
-    per = {n: (len(v) / args.reps, sum(v) / args.reps) for n, v in got.items()}
-    res["decode"] = table(per, t.ms, f"decode B={B} ctx={ctx}", log)
-    res["decode"]["host"] = host_profile(decode_reps, args.reps, log)
+        got = kernels(decode_reps)
+        per = {n: (len(v) / args.reps, sum(v) / args.reps) for n, v in got.items()}
+        res["decode"] = table(per, t.ms, f"decode B={B} ctx={ctx}", log)
+        res["decode"]["host"] = host_profile(decode_reps, args.reps, log)
     del gen
     if args.spec:
         n_short, n_long = args.new_tokens
