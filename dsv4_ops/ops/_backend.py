@@ -16,11 +16,13 @@ pure functions of static shapes.
 and the device TYPE of a tensor, both static while tracing.
 
 Checks: the body holds only the shape checks its outputs and an in-bounds launch need
-(``torch._check``, static); every dtype, device and value check, with messages that name the
+(:func:`check`, static); every dtype, device and value check, with messages that name the
 argument, is in the public wrapper (``validate.py``). The raw ``torch.ops.dsv4`` ops read
 out-of-range indices the same way on every backend (each op's docstring says how).
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -30,3 +32,12 @@ from .. import lowering
 
 def use_triton(t: Tensor) -> bool:
     return lowering.use_triton(t.device.type)
+
+
+def check(cond, message: Callable[[], str]) -> None:
+    """``torch._check(cond, message)`` for the bodies' shape checks. An eager call's shapes are ints, so its
+    conditions are plain bools, and a true one returns here: ``torch._check`` would pass it through the
+    symbolic-shapes layer (about 0.7 µs a check, 4-9 checks an op). A traced call's condition may be a
+    ``SymBool``, which ``torch._check`` records; a false one raises its error."""
+    if cond is not True:
+        torch._check(cond, message)

@@ -10,7 +10,7 @@ from ..lowering.triton.cache_write import cache_write_kernel, fp8_cache_write_ke
 from ..reference import fp8_cache as fp8
 from ..reference import ops as ref
 from . import validate as v
-from ._backend import use_triton
+from ._backend import check, use_triton
 from .direct import dsv4
 
 
@@ -21,17 +21,17 @@ def _cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Opti
     # kernel / reference.
     paged = block_table is not None
     is_fp8 = fp8.is_fp8_cache(cache, paged)
-    torch._check((cache.dim() == 3 or is_fp8) and values.dim() == 3 and slots.dim() == 2,
+    check((cache.dim() == 3 or is_fp8) and values.dim() == 3 and slots.dim() == 2,
                  lambda: "cache_write: cache [B, N, C] (or FP8 [B, pages, page, bytes]), values [B, S, C], slots [B, S]")
     B = block_table.shape[0] if paged else cache.shape[0]
-    torch._check(not paged or block_table.dim() == 2, lambda: "cache_write: block_table must be [B, P]")
-    torch._check(values.shape[0] == B and slots.shape[0] == B,
+    check(not paged or block_table.dim() == 2, lambda: "cache_write: block_table must be [B, P]")
+    check(values.shape[0] == B and slots.shape[0] == B,
                  lambda: "cache_write: B of values/slots must match cache (block_table when paged)")
-    torch._check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
+    check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
     if is_fp8:
         lay = fp8.KVLayout.of(cache, values.shape[2])
     else:
-        torch._check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
+        check(values.shape[2] == cache.shape[2], lambda: "cache_write: C of values and cache differ")
     if not use_triton(cache):
         ref.cache_write(cache, values, slots, block_table)
     elif is_fp8:

@@ -15,7 +15,7 @@ from torch.library import wrap_triton
 from ..lowering.triton import gemv as gv
 from ..lowering.triton.gemv import gemv_kernel
 from . import validate as v
-from ._backend import use_triton
+from ._backend import check, use_triton
 from .direct import dsv4
 
 # Where the GEMV beat cuBLAS (docs/kernels.md): one token, rows of at least 2048 inputs, and enough
@@ -38,8 +38,8 @@ def takes_kernel(x: Tensor, weight: Tensor) -> bool:
 @torch.library.triton_op("dsv4::gemv", mutates_args=())
 def _gemv(x: Tensor, weight: Tensor) -> Tensor:
     # Also the fake: shape checks, then a static choice of path (see _backend.py).
-    torch._check(x.dim() == 3 and weight.dim() == 3, lambda: "gemv: x [T, G, K], weight [G, N, K]")
-    torch._check(x.shape[1] == weight.shape[0] and x.shape[2] == weight.shape[2],
+    check(x.dim() == 3 and weight.dim() == 3, lambda: "gemv: x [T, G, K], weight [G, N, K]")
+    check(x.shape[1] == weight.shape[0] and x.shape[2] == weight.shape[2],
                  lambda: "gemv: G and K of x and weight differ")
     if takes_kernel(x, weight):
         y, spec = gv.gemv_launch(x, weight)

@@ -19,7 +19,7 @@ from ..lowering.aten.experts import experts_blocked, experts_grouped_mm, grouped
 from ..lowering.triton import moe_gemv as mg
 from ..lowering.triton.moe_gemv import moe_down_kernel, moe_gate_up_kernel
 from . import validate as v
-from ._backend import use_triton
+from ._backend import check, use_triton
 from .direct import dsv4
 
 
@@ -33,12 +33,12 @@ def takes_kernel(x: Tensor, w13: Tensor, n_assignments: int) -> bool:
 @torch.library.triton_op("dsv4::moe_gemv", mutates_args=())
 def _moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
     # Also the fake: shape checks, then a static choice of path (see _backend.py).
-    torch._check(x.dim() == 2 and indices.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
+    check(x.dim() == 2 and indices.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
                  lambda: "moe_gemv: x [T, D], indices [T, K], w13 [E, 2I, D], w2 [E, D, I]")
-    torch._check(weights.shape == indices.shape and indices.shape[0] == x.shape[0],
+    check(weights.shape == indices.shape and indices.shape[0] == x.shape[0],
                  lambda: "moe_gemv: indices and weights must be [T, K] of x")
-    torch._check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], lambda: "moe_gemv: D of x and weights differ")
-    torch._check(w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0],
+    check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], lambda: "moe_gemv: D of x and weights differ")
+    check(w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0],
                  lambda: "moe_gemv: w13 must be [E, 2I, D] and w2 [E, D, I]")
     T, K = indices.shape
     if T * K == 0:

@@ -9,7 +9,7 @@ from ..lowering.triton import plan as pl
 from ..lowering.triton.plan import plan_kernel
 from ..reference import ops as ref
 from . import validate as v
-from ._backend import use_triton
+from ._backend import check, use_triton
 from .direct import dsv4
 
 
@@ -20,10 +20,10 @@ def _plan(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     # Also the fake: shape checks, then a static device branch (see _backend.py). CUDA/ROCm:
     # all nine tensors from one Triton launch.
-    torch._check(lengths.dim() == 1, lambda: f"plan: lengths must be [B], got {lengths.dim()}-d")
-    torch._check(n_new.dim() == 1, lambda: f"plan: n_new must be [B], got {n_new.dim()}-d")
-    torch._check(n_new.shape[0] == lengths.shape[0], lambda: "plan: n_new and lengths must have the same B")
-    torch._check(csa_ratio > 0 and hca_ratio > 0, lambda: "plan: ratios must be > 0")  # emit widths S/m
+    check(lengths.dim() == 1, lambda: f"plan: lengths must be [B], got {lengths.dim()}-d")
+    check(n_new.dim() == 1, lambda: f"plan: n_new must be [B], got {n_new.dim()}-d")
+    check(n_new.shape[0] == lengths.shape[0], lambda: "plan: n_new and lengths must have the same B")
+    check(csa_ratio > 0 and hca_ratio > 0, lambda: "plan: ratios must be > 0")  # emit widths S/m
     args = (lengths, n_new, num_tokens, steps, window, win_ring, win_concat, csa_ratio, csa_ring, hca_ratio,
             hca_ring)
     if use_triton(lengths):

@@ -7,14 +7,14 @@ from ..lowering.triton import sinkhorn as sk
 from ..lowering.triton.sinkhorn import sinkhorn_kernel
 from ..reference import ops as ref
 from . import validate as v
-from ._backend import use_triton
+from ._backend import check, use_triton
 from .direct import dsv4
 
 
 @torch.library.triton_op("dsv4::sinkhorn", mutates_args=())
 def _sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     # Also the fake: shape checks, then a static device branch (see _backend.py).
-    torch._check(comb.dim() >= 2 and comb.shape[-1] == comb.shape[-2], lambda: "sinkhorn: comb [..., N, N]")
+    check(comb.dim() >= 2 and comb.shape[-1] == comb.shape[-2], lambda: "sinkhorn: comb [..., N, N]")
     if use_triton(comb):
         out, spec = sk.sinkhorn_launch(comb, iters, eps)
         if spec is not None:

@@ -4,7 +4,8 @@ rejects bad values on a signature it has seen; its value checks read the host on
 for the ops without value checks), none inside ``ops.value_checks(False)``, where a bad value reaches the raw op,
 which handles it as documented; the raw ``torch.ops.dsv4`` ops, what the model calls, read
 nothing back (on CUDA: no sync, under ``torch.cuda.set_sync_debug_mode("error")``); launch
-configurations are memoised, each call getting its own dict. Also a smoke run of
+configurations are memoised, each call getting its own dict; a body's shape checks that hold on plain ints skip
+``torch._check`` (a traced body's symbolic ones go through it). Also a smoke run of
 benchmarks/bench_op_overhead.py."""
 import argparse
 import contextlib
@@ -332,3 +333,42 @@ def test_a_compiled_call_is_the_registered_op_in_the_graph():
     assert torch.equal(got, torch.ops.dsv4.gemv(x, w) * 2)
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.dsv4.gemv in targets
+
+
+def counting_torch_checks(monkeypatch) -> list:
+    calls, real = [], torch._check
+
+    def counted(cond, message=None):
+        calls.append((cond, message))
+        return real(cond, message)
+    monkeypatch.setattr(torch, "_check", counted)
+    return calls
+
+
+def test_a_bodys_shape_check_that_holds_on_plain_ints_skips_torch_check_and_a_failing_one_raises_its_error(
+        monkeypatch):
+    from dsv4_ops.ops._backend import check
+    calls = counting_torch_checks(monkeypatch)
+    check(3 == 3, lambda: "never built")
+    assert calls == []
+    with pytest.raises(RuntimeError, match="cache_write: values must be"):
+        check(2 == 3, lambda: "cache_write: values must be [B, S, D]")
+    assert [c for c, _ in calls] == [False]
+    cache, values, slots = bench.op_inputs("cache_write", 1, torch.float32, CPU)
+    with pytest.raises(RuntimeError, match="cache_write"):
+        torch.ops.dsv4.cache_write(cache, values[:, :, :-1], slots)  # the raw op's body rejects the shape
+
+
+def test_a_traced_bodys_shape_checks_on_symbolic_sizes_go_through_torch_check(monkeypatch):
+    torch._dynamo.reset()
+    cache, values, slots = bench.op_inputs("cache_write", 2, torch.float32, CPU)
+    calls = counting_torch_checks(monkeypatch)
+
+    @torch.compile(backend="eager", fullgraph=True, dynamic=True)
+    def step(cache, values, slots):
+        torch.ops.dsv4.cache_write(cache, values, slots)
+
+    step(cache, values, slots)
+    torch._dynamo.reset()
+    ours = [c for c, m in calls if getattr(m, "__code__", None) and m.__code__.co_filename.endswith("cache_write.py")]
+    assert ours and any(isinstance(c, torch.SymBool) for c in ours)
