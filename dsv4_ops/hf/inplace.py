@@ -17,6 +17,9 @@ How a forward maps onto a dsv4_ops step (one ``plan`` per forward, every layer r
 * With a static cache, the pool lives in the attention modules as non-persistent buffers (sized on
   the eager prefill from the batch and the cache's ``max_cache_len``) and is addressed by
   absolute position; without a cache the step uses scratch state (a cache-free forward).
+* A forward with a cache of more than ``PREFILL_TOKENS`` tokens (all rows together) runs as several cached steps
+  of at most that many, as ``Generator``'s prefill does, so a long prompt's activations stay bounded (a 128K-token
+  prompt in one step would hold its MoE intermediates for 768K routed rows at once). A cache-free forward is one step.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import DSV4Config
+from ..generation_loop import DEFAULT_MAX_PREFILL_TOKENS
 from ..model.attention import Attention
 from ..model.model import DEFAULT_MAX_POSITIONS, DeepseekV4Model, rope_tables_for, set_rope
 from ..model.plan import plan_step, ring_sizes
@@ -40,6 +44,7 @@ __all__ = ["enable", "disable", "is_enabled"]
 # arguments on their divisibility by 16, so a prompt length of another residue than the last one's
 # would compile the prefill's kernels again inside the user's call.
 PREFILL_MULTIPLE = 64
+PREFILL_TOKENS = DEFAULT_MAX_PREFILL_TOKENS  # the most tokens of one cached prefill step, all rows together
 
 
 @dataclass
@@ -105,18 +110,34 @@ class HFModelOnOps(DeepseekV4Model):
                 input_ids = input_ids.gather(1, to_front)
             else:
                 inputs_embeds = inputs_embeds.gather(1, to_front[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        x = h.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
-        step = _Step(plan_step(cfg, start, n, S_run, rings), states, B)
-        for layer in self.layers:
-            x = layer(x, step.meta, step, input_ids)  # our DecoderLayer hands `step` to the attention
-        hidden = self.norm(self.hc_head(x))[:, :S]
+        width = S_run if cache is None or not eager else prefill_columns(B)
+        if S_run <= width:
+            hidden = self._dsv4_step(input_ids, inputs_embeds, start, n, S_run, states, rings)[:, :S]
+        else:  # several cached steps; a row whose tokens ended stays at its next position with none new
+            parts = []
+            for at in range(0, S_run, width):
+                w = min(width, S_run - at)
+                done = n.clamp(max=at)
+                parts.append(self._dsv4_step(None if input_ids is None else input_ids[:, at:at + w],
+                                             None if inputs_embeds is None else inputs_embeds[:, at:at + w],
+                                             start + done, (n - done).clamp(max=w), w, states, rings))
+            hidden = torch.cat(parts, 1)[:, :S]
         if cache is not None:
             self._dsv4_seen[:B].copy_(start + n)
         if S > 1:
             back = (torch.arange(S, device=device) - shift[:, None]) % S
             hidden = hidden.gather(1, back[..., None].expand_as(hidden))
         return hidden
+
+    def _dsv4_step(self, input_ids, inputs_embeds, start: Tensor, n: Tensor, S: int, states, rings) -> Tensor:
+        """One step of the stack: ``S`` columns, ``n[b]`` real tokens of row ``b`` from position ``start[b]``."""
+        cfg: DSV4Config = self._dsv4_cfg
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = h.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
+        step = _Step(plan_step(cfg, start, n, S, rings), states, h.shape[0])
+        for layer in self.layers:
+            x = layer(x, step.meta, step, input_ids)  # our DecoderLayer hands `step` to the attention
+        return self.norm(self.hc_head(x))
 
     @staticmethod
     def _dsv4_rows(attention_mask, position_ids, B: int, S: int, device):
@@ -195,6 +216,12 @@ class HFModelOnOps(DeepseekV4Model):
 
     def _dsv4_set_rope(self, n: int) -> None:
         set_rope([layer.self_attn for layer in self.layers], self._dsv4_cfg, n, self.embed_tokens.weight.device)
+
+
+def prefill_columns(rows: int) -> int:
+    """Columns of one cached prefill step of ``rows`` rows: ``PREFILL_TOKENS`` shared by the rows, a multiple of
+    ``PREFILL_MULTIPLE`` (at least one)."""
+    return max(PREFILL_MULTIPLE, PREFILL_TOKENS // rows // PREFILL_MULTIPLE * PREFILL_MULTIPLE)
 
 
 def pool_bucket(positions: int) -> int:

@@ -199,6 +199,32 @@ def test_prompts_of_any_length_reach_the_ops_at_a_multiple_of_64_tokens(hc4_mode
     assert PREFILL_MULTIPLE == 64 and seen == [64, 1, 1, 64, 1, 1]
 
 
+def test_a_long_prompt_runs_as_cached_steps_of_the_prefill_budget_and_each_row_gets_what_it_gets_alone(
+        hc4_model, monkeypatch):
+    """A forward with a cache runs at most ``PREFILL_TOKENS`` tokens a step (all rows together): a left-padded
+    batch of prompts longer than one step, cut at 64 columns (3 rows x 64 > the 128-token budget set here), crosses
+    windows and both compression rates between steps, and still gives each row what unpatched HF gives it alone."""
+    from dsv4_ops.hf import inplace
+
+    cfg, hf, _, _ = hc4_model
+    prompts = _prompts(cfg, [150, 70, 5], seed=9)
+    alone = _alone(hf, prompts, max_new_tokens=24, do_sample=False)
+    monkeypatch.setattr(inplace, "PREFILL_TOKENS", 128)
+    assert inplace.prefill_columns(3) == 64 and inplace.prefill_columns(1) == 128
+    dsv4_ops.hf.enable(hf)
+    seen = []
+    hook = hf.model.layers[0].register_forward_pre_hook(lambda layer, args: seen.append(args[0].shape[1]))
+    try:
+        out = _generate(hf, *_left_padded(prompts), max_new_tokens=24, do_sample=False, disable_compile=True)
+        for i, ref in enumerate(alone):
+            assert torch.equal(out[i], ref), f"row {i} (prompt {len(prompts[i])}): first diff at " \
+                f"{(out[i] != ref).nonzero()[:1].flatten().tolist()}"
+        assert seen[:4] == [64, 64, 64, 1]  # 150 tokens padded to 192 columns: three steps, then decode
+    finally:
+        hook.remove()
+        _off(hf)
+
+
 def test_compiled_decode_same_tokens_and_no_new_graphs_after_warm_up(hc4_model):
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
