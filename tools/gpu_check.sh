@@ -34,7 +34,7 @@
 #           generate and the attention + indexer grid at 32K, for $BASE and for this tree, in turns ($ROUNDS, default
 #           1)                                                                          -> ab.log, ab_*.json
 #   profile kernels of the Flash slice's batch-1 public decode at 4K and 32K (tools/profile_step.py); PROFILE=prefill: of
-#           its prefill, 1 x 4096 and 8 x 1024 tokens (the default chunk buckets)
+#           its prefill, 1 x 4096 (the default chunk buckets, then one 4096-token step) and 8 x 1024 tokens
 #   sweep   launch-config sweep of the Triton kernels, $SWEEP = its --only list (tools/sweep_kernels.py)
 #   ncu     Nsight Compute of the hot Triton kernels, or of the Gluon attention with NCU=gluon (tools/ncu_*.py)
 #   tp      2 GPUs: the tensor-parallel demo and benchmarks/bench_tp.py
@@ -189,8 +189,10 @@ for what in "$@"; do
         done 2>&1 | tee "$OUT/ab.log" ;;
     profile) if [ "${PROFILE:-decode}" = prefill ]; then  # where time to first token goes: 1 x 4K, then 8 x 1K
                { python3 tools/profile_step.py --config flash-slice --parts prefill --out "$OUT/profile_prefill_1x4k.json" &&
+                 python3 tools/profile_step.py --config flash-slice --parts prefill --prefill-chunk 4096 \
+                   --out "$OUT/profile_prefill_1x4k_chunk4096.json" &&
                  python3 tools/profile_step.py --config flash-slice --parts prefill --batch 8 --context 1024 \
-                   --out "$OUT/profile_prefill_8x1k.json"; } 2>&1 | quiet | tee "$OUT/profile.log" | head -120 || rc=1
+                   --out "$OUT/profile_prefill_8x1k.json"; } 2>&1 | quiet | tee "$OUT/profile.log" | grep "^prefill" || rc=1
                continue
              fi
              { python3 tools/profile_step.py --config flash-slice --batch 1 --context 4096 --out "$OUT/profile_flash_4k.json" &&
