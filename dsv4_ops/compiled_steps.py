@@ -3,11 +3,13 @@ compiled, graph breaks, CUDA-graph replays and compile time. ``Generator`` and t
 ``Engine`` run every step through :class:`CompiledSteps`."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from .cudagraph_replays import recordings, replays
+from .progress import Progress
 
 __all__ = ["CompiledSteps", "compile_step", "compile_options", "batch_buckets", "RECOMPILE_LIMIT"]
 
@@ -15,6 +17,9 @@ __all__ = ["CompiledSteps", "compile_step", "compile_options", "batch_buckets", 
 # `recompile_limit` graphs per code object (default 8): the calls raise it while they run and leave the
 # process's setting alone
 RECOMPILE_LIMIT = 64
+# a compiled step's first call of a shape that runs longer than this many seconds (it compiles: 10-30 s a
+# step on the Flash slice) says so on stderr, with a heartbeat, so a first decode never looks hung; None: silent
+COMPILE_NOTICE_S: float | None = 5.0
 
 
 def batch_buckets(n: int) -> list[int]:
@@ -52,6 +57,7 @@ class CompiledSteps:
         self.keys: set[tuple] = set()
 
     def run(self, key: tuple, fn, *args, **kwargs):
+        first = self.compiled and key not in self.keys and COMPILE_NOTICE_S is not None
         self.keys.add(key)
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]
@@ -66,7 +72,9 @@ class CompiledSteps:
         try:
             # eager steps in inference mode: each op call then skips the dispatcher's autograd and
             # view-tracking layers (Python for custom ops: about half an eager op's host cost)
-            with torch.no_grad() if self.compiled else torch.inference_mode():
+            notice = (Progress(f"dsv4_ops: compiling the {' / '.join(map(str, key))} step (the first call of this "
+                               "shape)", quiet_s=COMPILE_NOTICE_S) if first else contextlib.nullcontext())
+            with notice, torch.no_grad() if self.compiled else torch.inference_mode():
                 out = fn(*args, **kwargs)
         finally:
             config.recompile_limit = limit

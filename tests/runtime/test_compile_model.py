@@ -84,3 +84,23 @@ def test_single_prompt_bucket_prefills_new_lengths_without_recompiling(setup, to
             torch.testing.assert_close(logits, eager.prefill([list(range(n))]), **tol("compiled_generator_vs_eager"))
             torch.testing.assert_close(gen.decode(column), eager.decode(column), **tol("compiled_generator_vs_eager"))
     assert gen._graphs == {("prefill", 1): 1, ("decode", 1): 1} and gen.stats["recompiles"] == 0
+
+
+def test_each_new_step_shape_of_a_compiled_generator_is_announced_once(setup, monkeypatch, capsys):
+    """With the notice at 0 s every first call of a shape says so (by default only one that runs past 5 s)."""
+    from dsv4_ops import compiled_steps
+
+    _, compiled, prompts, _ = setup
+    monkeypatch.setattr(compiled_steps, "COMPILE_NOTICE_S", 0.0)
+    before = set(compiled._calls.keys)
+    batch = next(b for b in (1, 2) if not any(k[1] == b for k in before))  # a batch bucket not run yet
+    capsys.readouterr()
+    compiled.generate(prompts[:batch], max_new_tokens=3)
+    compiled.generate(prompts[:batch], max_new_tokens=3)
+    err = capsys.readouterr().err
+    new = set(compiled._calls.keys) - before
+    assert new and {k[0] for k in new} == {"prefill", "decode"}
+    started = [line for line in err.splitlines() if line.endswith(" ...")]  # then each one's "done in" line
+    assert len(started) == len(new)
+    for key in new:
+        assert sum(f"compiling the {' / '.join(map(str, key))} step" in line for line in started) == 1, key
