@@ -3,7 +3,6 @@ compiled, graph breaks, CUDA-graph replays and compile time. ``Generator`` and t
 ``Engine`` run every step through :class:`CompiledSteps`."""
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -72,10 +71,13 @@ class CompiledSteps:
         try:
             # eager steps in inference mode: each op call then skips the dispatcher's autograd and
             # view-tracking layers (Python for custom ops: about half an eager op's host cost)
-            notice = (Progress(f"dsv4_ops: compiling the {' / '.join(map(str, key))} step (the first call of this "
-                               "shape)", quiet_s=COMPILE_NOTICE_S) if first else contextlib.nullcontext())
-            with notice, torch.no_grad() if self.compiled else torch.inference_mode():
-                out = fn(*args, **kwargs)
+            with torch.no_grad() if self.compiled else torch.inference_mode():
+                if first:  # only a shape's first call pays for the notice's thread
+                    with Progress(f"dsv4_ops: compiling the {' / '.join(map(str, key))} step (the first call of "
+                                  "this shape)", quiet_s=COMPILE_NOTICE_S):
+                        out = fn(*args, **kwargs)
+                else:
+                    out = fn(*args, **kwargs)
         finally:
             config.recompile_limit = limit
         new_graphs = counters["stats"]["unique_graphs"] - graphs_before

@@ -14,10 +14,9 @@ import time
 
 import torch
 
-from . import pretrained
+from . import compiled_steps, pretrained
 from .checkpoint import load_checkpoint
 from .generator import Generator
-from . import compiled_steps
 from .progress import Progress
 
 # one batch bucket (2 prompts), short prefill chunks: the least a CPU has to compile

@@ -26,20 +26,20 @@ def _sparse_attention(
     paged = block_table is not None
     kv8, cmp8 = fp8.is_fp8_cache(kv), fp8.is_fp8_cache(cmp, paged)
     check(q.dim() == 4 and (kv.dim() == 3 or kv8) and (cmp.dim() == 3 or cmp8),
-                 lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D] (or FP8 caches)")
+          lambda: "sparse_attention: q [B, S, H, D], kv [B, N, D], cmp [B, Nc, D] (or FP8 caches)")
     check(kv_idx.dim() == 3 and cmp_idx.dim() == 3 and cmp_len.dim() == 2 and sink.dim() == 1,
-                 lambda: "sparse_attention: kv_idx [B, S, W], cmp_idx [B, S, K], cmp_len [B, S], sink [H]")
+          lambda: "sparse_attention: kv_idx [B, S, W], cmp_idx [B, S, K], cmp_len [B, S], sink [H]")
     check(kv.shape[0] == q.shape[0] and (paged or cmp.shape[0] == q.shape[0]),
-                 lambda: "sparse_attention: B of kv / cmp and q differ")
+          lambda: "sparse_attention: B of kv / cmp and q differ")
     check(not paged or (block_table.dim() == 2 and block_table.shape[0] == q.shape[0]),
-                 lambda: "sparse_attention: block_table must be [B, P], B of q")
+          lambda: "sparse_attention: block_table must be [B, P], B of q")
     check(kv_idx.shape[:2] == q.shape[:2] and cmp_idx.shape[:2] == q.shape[:2]
-                 and cmp_len.shape == q.shape[:2], lambda: "sparse_attention: [B, S] of the indices and q differ")
+          and cmp_len.shape == q.shape[:2], lambda: "sparse_attention: [B, S] of the indices and q differ")
     check(kv8 or kv.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of kv and q differ")
     check(cmp8 or cmp.shape[-1] == q.shape[-1], lambda: "sparse_attention: D of cmp and q differ")
     check(sink.shape[0] == q.shape[2], lambda: "sparse_attention: sink must have H entries")
     check(kv8 or cmp8 or kv.dtype == cmp.dtype,
-                 lambda: f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
+          lambda: f"sparse_attention: kv ({kv.dtype}) and cmp ({cmp.dtype}) must share a dtype")
     if use_triton(q) and sm90.applies(q, kv, kv_idx, cmp, cmp_idx, cmp_len, block_table):
         picks = -1
         if paged:

@@ -22,11 +22,11 @@ def _cache_write(cache: Tensor, values: Tensor, slots: Tensor, block_table: Opti
     paged = block_table is not None
     is_fp8 = fp8.is_fp8_cache(cache, paged)
     check((cache.dim() == 3 or is_fp8) and values.dim() == 3 and slots.dim() == 2,
-                 lambda: "cache_write: cache [B, N, C] (or FP8 [B, pages, page, bytes]), values [B, S, C], slots [B, S]")
+          lambda: "cache_write: cache [B, N, C] (or FP8 [B, pages, page, bytes]), values [B, S, C], slots [B, S]")
     B = block_table.shape[0] if paged else cache.shape[0]
     check(not paged or block_table.dim() == 2, lambda: "cache_write: block_table must be [B, P]")
     check(values.shape[0] == B and slots.shape[0] == B,
-                 lambda: "cache_write: B of values/slots must match cache (block_table when paged)")
+          lambda: "cache_write: B of values/slots must match cache (block_table when paged)")
     check(values.shape[1] == slots.shape[1], lambda: "cache_write: S of values and slots differ")
     if is_fp8:
         lay = fp8.KVLayout.of(cache, values.shape[2])

@@ -27,17 +27,17 @@ def _compress(
     paged = block_table is not None
     pool8 = fp8.is_fp8_cache(pool, paged)
     check((pool.dim() == 3 or pool8) and ring_kv.dim() == 3 and new_kv.dim() == 3
-                 and emit.dim() == 2, lambda: "compress: ring/new must be 3-d, pool 3-d (or FP8) and emit [B, E]")
+          and emit.dim() == 2, lambda: "compress: ring/new must be 3-d, pool 3-d (or FP8) and emit [B, E]")
     check(not paged or block_table.dim() == 2, lambda: "compress: block_table must be [B, P]")
     c = 2 if overlap else 1
     d = new_kv.shape[-1] // c if pool8 else pool.shape[-1]
     check(ring_kv.shape[-1] == c * d, lambda: f"compress: ring_kv last dim must be {c}*d")
     check(new_kv.shape[-1] == c * d, lambda: f"compress: new_kv last dim must be {c}*d")
     check(ring_gate.shape == ring_kv.shape and new_gate.shape == new_kv.shape,
-                 lambda: "compress: gates must have the shapes of their kv")
+          lambda: "compress: gates must have the shapes of their kv")
     B = block_table.shape[0] if paged else pool.shape[0]
     check(ring_kv.shape[0] == B and new_kv.shape[0] == B and start.dim() == 1 and start.shape[0] == B
-                 and emit.shape[0] == B, lambda: "compress: B of ring/new/start/emit and pool (block_table) differ")
+          and emit.shape[0] == B, lambda: "compress: B of ring/new/start/emit and pool (block_table) differ")
     check(2 * cos.shape[-1] <= d, lambda: "compress: rope dims 2*cos.shape[-1] exceed d")
     check(ratio > 0, lambda: "compress: ratio must be > 0")  # a block of no slots has no softmax
     args = (ring_kv, ring_gate, new_kv, new_gate, start, emit, norm_weight, cos, sin, pool, ratio, overlap, eps,

@@ -40,7 +40,7 @@ def _gemv(x: Tensor, weight: Tensor) -> Tensor:
     # Also the fake: shape checks, then a static choice of path (see _backend.py).
     check(x.dim() == 3 and weight.dim() == 3, lambda: "gemv: x [T, G, K], weight [G, N, K]")
     check(x.shape[1] == weight.shape[0] and x.shape[2] == weight.shape[2],
-                 lambda: "gemv: G and K of x and weight differ")
+          lambda: "gemv: G and K of x and weight differ")
     if takes_kernel(x, weight):
         y, spec = gv.gemv_launch(x, weight)
         if spec is not None:

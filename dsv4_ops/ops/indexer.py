@@ -26,10 +26,10 @@ def _indexer_topk(q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor, top
     paged = block_table is not None
     keys8 = fp8.is_fp8_cache(keys, paged)
     check(q.dim() == 4 and weights.dim() == 3 and (keys.dim() == 3 or keys8) and visible.dim() == 2,
-                 lambda: "indexer_topk: q [B, S, HI, DI], weights [B, S, HI], keys [B, N, DI], visible [B, S]")
+          lambda: "indexer_topk: q [B, S, HI, DI], weights [B, S, HI], keys [B, N, DI], visible [B, S]")
     check(keys.shape[-1] == q.shape[-1] + (4 if keys8 else 0), lambda: "indexer_topk: DI of keys and q differ")
     check(not paged or (block_table.dim() == 2 and block_table.shape[0] == q.shape[0]),
-                 lambda: "indexer_topk: block_table must be [B, P], B of q")
+          lambda: "indexer_topk: block_table must be [B, P], B of q")
     check(paged or keys.shape[0] == q.shape[0], lambda: "indexer_topk: B of keys and q differ")
     check(weights.shape == q.shape[:3], lambda: "indexer_topk: weights must be [B, S, HI] of q")
     check(visible.shape == q.shape[:2], lambda: "indexer_topk: [B, S] of visible and q differ")

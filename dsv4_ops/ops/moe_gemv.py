@@ -34,12 +34,12 @@ def takes_kernel(x: Tensor, w13: Tensor, n_assignments: int) -> bool:
 def _moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:
     # Also the fake: shape checks, then a static choice of path (see _backend.py).
     check(x.dim() == 2 and indices.dim() == 2 and w13.dim() == 3 and w2.dim() == 3,
-                 lambda: "moe_gemv: x [T, D], indices [T, K], w13 [E, 2I, D], w2 [E, D, I]")
+          lambda: "moe_gemv: x [T, D], indices [T, K], w13 [E, 2I, D], w2 [E, D, I]")
     check(weights.shape == indices.shape and indices.shape[0] == x.shape[0],
-                 lambda: "moe_gemv: indices and weights must be [T, K] of x")
+          lambda: "moe_gemv: indices and weights must be [T, K] of x")
     check(w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], lambda: "moe_gemv: D of x and weights differ")
     check(w13.shape[1] == 2 * w2.shape[2] and w13.shape[0] == w2.shape[0],
-                 lambda: "moe_gemv: w13 must be [E, 2I, D] and w2 [E, D, I]")
+          lambda: "moe_gemv: w13 must be [E, 2I, D] and w2 [E, D, I]")
     T, K = indices.shape
     if T * K == 0:
         return x.new_zeros(x.shape, dtype=torch.float32)
