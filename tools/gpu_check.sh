@@ -16,7 +16,7 @@
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
 #           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4 min) into build/trained-gpu,
-#           with its quality numbers (benchmarks/trained_tiny_quality.py), $SPEC_GRID its runs (bench_spec arguments,
+#           with its quality numbers (benchmarks/trained_tiny_quality.py; SPEC_QUALITY=0: none), $SPEC_GRID its runs (bench_spec arguments,
 #           ';' between runs; default "--ks 1 2 3 4"); then, unless SPEC_RANDOM=0, on the bench config (random weights)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained_*.json
 #   serve   the OpenAI-compatible server on the Flash slice (benchmarks/serve_random.py, random weights) under
@@ -137,8 +137,10 @@ for what in "$@"; do
               python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4 --out "$trained" \
                 > "$OUT/train_gpu.log" 2>&1 || { rc=1; tail -5 "$OUT/train_gpu.log"; }
             fi
-            python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
-              || rc=1
+            if [ "${SPEC_QUALITY:-1}" = 1 ]; then  # SPEC_QUALITY=0: the timings only
+              python3 benchmarks/trained_tiny_quality.py --model "$trained" --device cuda > "$OUT/trained_quality.log" 2>&1 \
+                || rc=1
+            fi
             IFS=';' read -ra grid <<< "${SPEC_GRID:---ks 1 2 3 4}"  # SPEC_GRID: bench_spec arguments, ';' between runs
             for spec_args in "${grid[@]}"; do
               python3 benchmarks/bench_spec.py --model "$trained" --context 1024 $spec_args \
