@@ -15,7 +15,8 @@
 #           slice the first calls of new shapes after warm-up (--parts stalls)     -> bench_hf.*, bench_hf_stalls.json
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
-#           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu` (4 min) into build/trained-gpu,
+#           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu --steps 220` (4 min on an H100; a step
+#           count, not a time limit, so every run on one kind of machine times the same model) into build/trained-gpu,
 #           with its quality numbers (benchmarks/trained_tiny_quality.py; SPEC_QUALITY=0: none), $SPEC_GRID its runs (bench_spec arguments,
 #           ';' between runs; default "--ks 1 2 3 4"); then, unless SPEC_RANDOM=0, on the bench config (random weights)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained_*.json
@@ -134,7 +135,7 @@ for what in "$@"; do
           --max-new-tokens 256 >/dev/null; done; } 2>&1 | quiet | tee "$OUT/bench_aoti.log" || rc=1 ;;
     spec) trained=${TRAINED:-build/trained-gpu}
           { if [ ! -f "$trained/model.safetensors" ]; then
-              python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --time-limit 4 --out "$trained" \
+              python3 -m dsv4_ops.train_tiny --preset gpu --device cuda --steps 220 --out "$trained" \
                 > "$OUT/train_gpu.log" 2>&1 || { rc=1; tail -5 "$OUT/train_gpu.log"; }
             fi
             if [ "${SPEC_QUALITY:-1}" = 1 ]; then  # SPEC_QUALITY=0: the timings only
