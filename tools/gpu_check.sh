@@ -16,7 +16,7 @@
 #   aoti    dsv4_ops.export + AOTIGenerator at batch 1 x 4K, then the C++ runner on that package -> bench_aoti.*
 #   spec    speculative decoding through Generator(spec_steps=k).generate (benchmarks/bench_spec.py) on a trained
 #           model: $TRAINED, or first `python -m dsv4_ops.train_tiny --preset gpu --steps 220` (4 min on an H100; a step
-#           count, not a time limit, so every run on one kind of machine times the same model) into build/trained-gpu,
+#           count, not a time limit: every run trains the same steps, whatever the machine's speed) into build/trained-gpu,
 #           with its quality numbers (benchmarks/trained_tiny_quality.py; SPEC_QUALITY=0: none), $SPEC_GRID its runs (bench_spec arguments,
 #           ';' between runs; default "--ks 1 2 3 4"); then, unless SPEC_RANDOM=0, on the bench config (random weights)
 #                                                           -> bench_spec.*, train_gpu.log, trained_quality.log, bench_spec_trained_*.json
