@@ -56,7 +56,8 @@ class CompiledSteps:
         self.keys: set[tuple] = set()
 
     def run(self, key: tuple, fn, *args, **kwargs):
-        first = self.compiled and key not in self.keys and COMPILE_NOTICE_S is not None
+        # a caller's own progress line (the demo's) already covers the compile
+        first = self.compiled and key not in self.keys and COMPILE_NOTICE_S is not None and not Progress.running()
         self.keys.add(key)
         counters = torch._dynamo.utils.counters
         graphs_before = counters["stats"]["unique_graphs"]

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from . import compiled_steps, pretrained
+from . import pretrained
 from .checkpoint import load_checkpoint
 from .generator import Generator
 from .progress import Progress
@@ -77,12 +77,8 @@ def run(device: str | None = None, max_new_tokens: int = 48, compile: bool = Tru
         gen = Generator(model, **DEMO, **kw)
         if kw["compile"]:
             estimate = CPU_COMPILE_ESTIMATE_S["spec_steps" in kw] if device == "cpu" else 40
-            notice, compiled_steps.COMPILE_NOTICE_S = compiled_steps.COMPILE_NOTICE_S, None  # this line says it
-            try:
-                with Progress(f"{name}: compiling the steps (first call)", estimate_s=estimate):
-                    gen.generate(ids, max_new_tokens=2 + kw.get("spec_steps", 0))
-            finally:
-                compiled_steps.COMPILE_NOTICE_S = notice
+            with Progress(f"{name}: compiling the steps (first call)", estimate_s=estimate):
+                gen.generate(ids, max_new_tokens=2 + kw.get("spec_steps", 0))
         before = gen.stats
         t0 = time.perf_counter()
         out = gen.generate(ids, max_new_tokens=max_new_tokens)

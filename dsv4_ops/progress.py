@@ -1,11 +1,15 @@
 """One progress line for long work (compiling, exporting): what runs, an estimate, and a
 heartbeat every ``every`` seconds so a slow machine never looks hung. With ``quiet_s``, work that
-ends sooner says nothing (a first call that may or may not compile)."""
+ends sooner says nothing (a first call that may or may not compile). A line inside another one's
+work on the same thread is the outer line's business: :meth:`Progress.running` tells."""
 from __future__ import annotations
 
 import sys
 import threading
 import time
+
+
+_open = threading.local()  # the Progress blocks a thread is inside
 
 
 class Progress:
@@ -20,11 +24,17 @@ class Progress:
         self._stop = threading.Event()
         self.spoke = False
 
+    @staticmethod
+    def running() -> bool:
+        """Whether this thread is inside a ``with Progress(...)`` block."""
+        return getattr(_open, "depth", 0) > 0
+
     def _print(self, msg: str) -> None:
         print(msg, file=self.stream, flush=True)
 
     def __enter__(self) -> "Progress":
         self.t0 = time.perf_counter()
+        _open.depth = getattr(_open, "depth", 0) + 1
         if not self.quiet_s:
             self._announce()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -46,6 +56,7 @@ class Progress:
             self._print(f"    ... {self.label}: {time.perf_counter() - self.t0:.0f} s")
 
     def __exit__(self, *exc) -> None:
+        _open.depth -= 1
         self._stop.set()
         self._thread.join()
         self.elapsed = time.perf_counter() - self.t0

@@ -1,6 +1,7 @@
 """A compiled step's first call of a new shape that runs long (it compiles) says so on stderr while it runs, with a
-heartbeat, and once it is done; a short first call, a second call, an eager step and ``COMPILE_NOTICE_S = None`` say
-nothing. Counted with a stream that records writes; no clock is asserted (the long call waits for the notice)."""
+heartbeat, and once it is done; a short first call, a second call, an eager step, a call inside the caller's own
+progress line and ``COMPILE_NOTICE_S = None`` say nothing. Counted with a stream that records writes; no clock is
+asserted (the long call waits for the notice)."""
 from __future__ import annotations
 
 import io
@@ -11,6 +12,7 @@ import torch
 
 from dsv4_ops import compiled_steps
 from dsv4_ops.compiled_steps import CompiledSteps
+from dsv4_ops.progress import Progress
 
 
 class RecordingStream(io.StringIO):
@@ -66,3 +68,14 @@ def test_a_short_first_call_an_eager_step_and_a_disabled_notice_say_nothing(monk
     monkeypatch.setattr(compiled_steps, "COMPILE_NOTICE_S", 0.0)  # the same call does speak when the notice is on
     steps().run(("decode", 2), lambda x: x + 1, torch.ones(2))
     assert "compiling the decode / 2 step" in stderr.getvalue()
+
+
+def test_a_first_call_inside_the_callers_own_progress_line_leaves_the_saying_to_it(monkeypatch):
+    stderr = recording_stderr(monkeypatch)
+    monkeypatch.setattr(compiled_steps, "COMPILE_NOTICE_S", 0.0)
+    with Progress("demo: compiling the steps (first call)"):
+        steps().run(("decode", 8), lambda x: x + 1, torch.ones(2))
+    assert "demo: compiling" in stderr.getvalue() and "compiling the decode / 8 step" not in stderr.getvalue()
+    assert not Progress.running()
+    steps().run(("decode", 8), lambda x: x + 1, torch.ones(2))  # outside it, the same first call speaks
+    assert "compiling the decode / 8 step" in stderr.getvalue()
