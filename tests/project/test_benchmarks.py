@@ -512,6 +512,15 @@ def test_spec_step_cost_by_difference(monkeypatch):
     assert cost["tokens_per_step"] == pytest.approx(2.0) and cost["acceptance_rate"] == pytest.approx(0.5)
 
 
+def test_spec_acceptance_counts_every_prompt_set_per_row():
+    gen = _FakeGen()
+    gen.generate([[9]], max_new_tokens=99)  # earlier calls do not count
+    res = BS.acceptance(gen, [[[1], [2]], [[3], [4]], [[5], [6]]], max_new_tokens=21)
+    assert gen.stats["decode_steps"] == 49 + 3 * 10
+    assert res["tokens_per_step"] == pytest.approx(2.0) and res["acceptance_rate"] == pytest.approx(0.5)
+    assert (res["prompts"], res["new_tokens"]) == (6, 21)
+
+
 def test_gpu_check_documents_and_names_every_mode():
     """``tools/gpu_check.sh``: each mode of its ``case`` is described in the header a newcomer reads, and the message
     for an unknown mode lists them all."""
