@@ -102,7 +102,6 @@ class AOTIGenerator(GenerationLoop):
         self.lengths = torch.zeros(B, dtype=torch.int32, device=dev)
         self._ids = torch.zeros(B, dtype=torch.long, device=dev)  # decode's static inputs
         self._n_new = torch.zeros(B, dtype=torch.int32, device=dev)
-        self._decode_mask = self._n_new.clone()  # 1 for the prefilled requests
         if self.speculative:
             self.mtp_cache = _zeros(meta["dsv4.mtp_cache"], dev)
             (self.h_last,) = _zeros(meta["dsv4.h_last"], dev)
@@ -181,10 +180,7 @@ class AOTIGenerator(GenerationLoop):
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Tensor:
         """Start a new batch: ``prompts`` (ragged token-id lists, at most ``max_batch_size``) ->
         ``[B, vocab]`` fp32 logits at each prompt's last position."""
-        batch = self._prepare(prompts, self.max_batch_size)
-        self.lengths.zero_()
-        self._decode_mask = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)
-        return self._prefill_batch(batch)
+        return self._prefill_batch(self._prepare(prompts, self.max_batch_size))
 
     def _step_chunks(self, bucket: int) -> list[int]:
         return self.prefill_chunks
@@ -195,9 +191,6 @@ class AOTIGenerator(GenerationLoop):
             return self._run(name, batch.ids[j], batch.next_ids[j], batch.n_new(j), batch.n_mtp(j))
         return self._run(prefill_program("prefill", batch.chunks[j], self.prefill_chunks), batch.ids[j],
                          batch.n_new(j))
-
-    def _decode_rows(self) -> Tensor:
-        return self._decode_mask
 
     def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B = len(self._host_lengths)

@@ -7,7 +7,7 @@ stats. Each subclass supplies the steps:
     _prefill_chunk(j, batch) -> logits [bucket, vocab]   # chunk j ([bucket, batch.chunks[j]]) of a prepared batch
     _decode_step(ids [B], n_new) -> logits [B, vocab]   # one token per row (trusted ids); n_new [bucket]
                                                         # int32 (None = every request takes one)
-    _decode_rows() -> [bucket] int32                    # 1 for the prefilled requests, 0 for padding
+    _step_chunks(bucket) -> list[int]                  # the chunk sizes a prefill step of `bucket` rows may take
     _spec_step(active [bucket] int32, params, filtered) -> (tokens [bucket, k+1], counts [bucket])
                                                         # params: SamplingParams or None (greedy)
     _start_drafts(first [B], sampling=False)            # speculative state after prefill
@@ -174,8 +174,8 @@ class PreparedBatch(NamedTuple):
 
 class GenerationLoop:
     """The shared loop; subclasses set ``max_batch_size``, ``max_seq_len``, ``prefill_chunk``,
-    ``vocab_size``, ``spec_steps``, ``speculative``, ``device`` and implement the steps (and
-    ``_step_chunks`` for more than one chunk size)."""
+    ``vocab_size``, ``spec_steps``, ``speculative``, ``device``, ``lengths`` (the rows' device-side
+    lengths) and implement the steps."""
 
     speculative: bool = False
 
@@ -187,10 +187,6 @@ class GenerationLoop:
                            decode_time_s=0.0, spec_steps_run=0, accepted_tokens=0, drafted_tokens=0)
 
     # ------------------------------------------------------------------ prefill
-    def _step_chunks(self, bucket: int) -> list[int]:
-        """The chunk sizes a prefill step of ``bucket`` rows may take: the one fixed ``prefill_chunk``."""
-        return [self.prefill_chunk]
-
     def _prepare(self, prompts, bucket: int, rows: list[Tensor] | None = None) -> PreparedBatch:
         rows = rows if rows is not None else check_prompts(prompts, self.max_batch_size, self.max_seq_len,
                                                            self.vocab_size)
@@ -208,7 +204,11 @@ class GenerationLoop:
                              tuple(chunks))
 
     def _prefill_batch(self, batch: PreparedBatch) -> Tensor:
-        """Run every chunk; each row's logits come from the last chunk it had tokens in."""
+        """Start a new batch (position-addressed state needs no reset but the lengths) and run every
+        chunk; each row's logits come from the last chunk it had tokens in."""
+        self.lengths.zero_()
+        self._bucket = batch.bucket
+        self._decode_mask = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)  # 1: a request
         self._host_lengths = list(batch.lengths)
         logits = None
         for j in range(batch.n_chunks):
@@ -243,7 +243,7 @@ class GenerationLoop:
         clamped = ids.clamp(0, V - 1)
         in_vocab = (clamped == ids).all()
         read = start_read(in_vocab)
-        out = self._decode(clamped, self._decode_rows() * in_vocab)  # every request advances, or none
+        out = self._decode(clamped, self._decode_mask * in_vocab)  # every request advances, or none
         if not read():  # the step wrote nothing: undo the host's count of it
             self._host_lengths = [n - 1 for n in self._host_lengths]
             self._stats["decode_steps"] -= 1

@@ -182,11 +182,7 @@ class Generator(GenerationLoop):
         self.model.setup_caches(**self._cache_args)  # a no-op unless another generator changed the pool
         n = len(prompts) if isinstance(prompts, (list, tuple)) else 0
         bucket = next((b for b in self.buckets if b >= n), self.max_batch_size)
-        batch = self._prepare(prompts, bucket)
-        self.lengths.zero_()  # a new batch: position-addressed state needs no other reset
-        self._bucket = batch.bucket
-        self._decode_n_new = (torch.arange(batch.bucket, device=self.device) < batch.B).to(torch.int32)
-        return self._prefill_batch(batch)
+        return self._prefill_batch(self._prepare(prompts, bucket))
 
     def _step_chunks(self, bucket: int) -> list[int]:
         return self._chunks[bucket]
@@ -198,12 +194,9 @@ class Generator(GenerationLoop):
         return self._run("spec_prefill", batch.bucket, self._compiled("spec_prefill"), batch.ids[j],
                          batch.next_ids[j], batch.n_new(j), batch.n_mtp(j), chunk=chunk)
 
-    def _decode_rows(self) -> Tensor:
-        return self._decode_n_new
-
     def _decode_step(self, next_ids: Tensor, n_new: Tensor | None = None) -> Tensor:
         B, bucket = len(self._host_lengths), self._bucket
-        n_new = self._decode_n_new if n_new is None else n_new  # padding rows: 0 new
+        n_new = self._decode_mask if n_new is None else n_new  # padding rows: 0 new
         return self._step("decode", pad_rows(next_ids[:B], bucket), n_new)[:B]
 
     def _sample(self, logits: Tensor, params: SamplingParams, pos: Tensor, filtered: bool) -> Tensor:
