@@ -259,9 +259,8 @@ def _format(w: _Entry, scale: _Entry | None, target: torch.Tensor, shape: tuple[
     elif scale is not None:
         raise ValueError(f"{where} has a scale {scale.key!r} but dtype {w.dtype}, which is neither FP8 "
                          "(float8_e4m3fn) nor packed FP4 (int8 / uint8 / float4_e2m1fn_x2)")
-    elif target.is_floating_point() and w.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        kind, want_w, want_s = "plain", shape, None
-    elif not target.is_floating_point() and not w.dtype.is_floating_point and w.dtype != torch.bool:
+    elif (w.dtype in (torch.float32, torch.bfloat16, torch.float16) if target.is_floating_point()
+          else not w.dtype.is_floating_point and w.dtype != torch.bool):
         kind, want_w, want_s = "plain", shape, None
     else:
         raise ValueError(f"{where} has dtype {w.dtype}, which is not a format load_pretrained reads into a "
