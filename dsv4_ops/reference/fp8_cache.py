@@ -120,9 +120,7 @@ class IndexerLayout:
     data_bytes = property(lambda self: self.dim)
     scale_bytes = property(lambda self: 4)
     entry_bytes = property(lambda self: self.dim + 4)
-
-    def shape(self, batch: int, entries: int) -> tuple[int, int, int, int]:
-        return (batch, max(1, _cdiv(entries, self.page)), self.page, self.entry_bytes)
+    shape = KVLayout.shape  # reads only page and entry_bytes
 
     @staticmethod
     def of(cache: Tensor) -> "IndexerLayout":
