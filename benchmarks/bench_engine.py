@@ -4,7 +4,7 @@ through the public calls (issue #44's GPU numbers):
 * **decode step at batch 1**: ``engine.generate([prompt], n)`` and ``Generator.generate`` for two
   values of ``n``; the step is the time difference over the step-count difference (prefill and
   fixed costs cancel, as in bench_spec.py);
-* **prefix hit vs cold TTFT**: a ``--system``-token shared system prompt + a ``--question``-token question, the
+* **prefix hit vs cold TTFT**: a ``--system``-token shared system prompt + a question of each ``--question`` length, the
   time from ``add_request`` to the first token, once cold (``prefix_cache=False``) and once after
   another request published the prefix;
 * **throughput at ``--concurrency`` requests of mixed lengths** (``--requests`` of them, prompts and
@@ -93,7 +93,8 @@ def main(argv=None) -> int:
                          "the engine's time, as the longest one decides each static batch's)")
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--system", type=int, default=4096, help="shared system-prompt tokens")
-    ap.add_argument("--question", type=int, default=128, help="new prompt tokens after the shared system prompt")
+    ap.add_argument("--question", type=int, nargs="+", default=[32, 128],
+                    help="new prompt tokens after the shared system prompt (several: one TTFT pair each)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="the engine's prefill chunk (default: the Engine's, whole pages up to 2048 tokens)")
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device, cfg, model = bench_setup(args, "bench_engine.py", bench_config)
     if args.smoke:
-        args.concurrency, args.max_seq_len, args.system, args.page_size, args.question = 4, 256, 64, 32, 32
+        args.concurrency, args.max_seq_len, args.system, args.page_size, args.question = 4, 256, 64, 32, [8, 32]
         args.requests = args.requests or 8
     compile_ = not args.smoke
     rng = random.Random(0)
@@ -152,23 +153,28 @@ def _decode_b1(model, cfg, rng, args, common, eng_kw, device) -> dict:
 
 
 def _prefix(model, cfg, rng, args, eng_kw, device) -> dict:
-    """A shared system prompt: TTFT cold vs with a prefix hit."""
+    """A shared system prompt + a question of each ``--question`` length: TTFT cold vs with a prefix hit.
+    The fields of the last length stand at the top level; ``runs`` holds each length's."""
     system = [rng.randrange(cfg.vocab_size) for _ in range(args.system)]
-    q = [[rng.randrange(cfg.vocab_size) for _ in range(args.question)] for _ in range(3)]
-    # two warm-ups each: a compiled step's first call compiles, its second records its CUDA graph
     eng = Engine(model, max_running=2, **eng_kw)
-    ttft_s(eng, system + q[0], device)  # publishes the prefix
-    ttft_s(eng, system + q[1], device)  # the first hit
-    recordings = eng.stats["cuda_graph_recordings"]
-    hit, cached = ttft_s(eng, system + q[2], device)
-    recordings = eng.stats["cuda_graph_recordings"] - recordings
     cold_eng = Engine(model, max_running=2, prefix_cache=False, **eng_kw)
-    for question in q:
-        cold, _ = ttft_s(cold_eng, system + question, device)
-    print(f"TTFT, {args.system}-token system prompt + {args.question}: cold {cold * 1e3:.1f} ms  hit {hit * 1e3:.1f} ms "
-          f"({cached} cached, {hit / cold:.2f}x; CUDA-graph recordings in the hit: {recordings})")
-    return dict(system_tokens=args.system, question_tokens=args.question, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached, ratio=hit / cold,
-                hit_recordings=recordings)
+    runs = []
+    for n in args.question:
+        q = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for _ in range(3)]
+        # two warm-ups each: a compiled step's first call compiles, its second records its CUDA graph (the first
+        # length's first call also publishes the prefix)
+        ttft_s(eng, system + q[0], device)
+        ttft_s(eng, system + q[1], device)
+        recordings = eng.stats["cuda_graph_recordings"]
+        hit, cached = ttft_s(eng, system + q[2], device)
+        recordings = eng.stats["cuda_graph_recordings"] - recordings
+        for question in q:
+            cold, _ = ttft_s(cold_eng, system + question, device)
+        print(f"TTFT, {args.system}-token system prompt + {n}: cold {cold * 1e3:.1f} ms  hit {hit * 1e3:.1f} ms "
+              f"({cached} cached, {hit / cold:.2f}x; CUDA-graph recordings in the hit: {recordings})")
+        runs.append(dict(question_tokens=n, cold_ttft_s=cold, hit_ttft_s=hit, cached_tokens=cached, ratio=hit / cold,
+                         hit_recordings=recordings))
+    return dict(system_tokens=args.system, **runs[-1], runs=runs)
 
 
 def _throughput(model, cfg, rng, args, common, eng_kw, device, save) -> dict:

@@ -568,7 +568,9 @@ def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tm
     # a step time by difference of two generate lengths: on shared CPU cores noise can flip its sign (it did once,
     # -124 ms), so the smoke run checks that both sides were timed, not their values
     assert all(math.isfinite(data["decode_b1"][k]) for k in ("engine_ms", "generator_ms"))
-    assert data["prefix"]["cached_tokens"] == 64  # the whole 64-token system prompt: two 32-position pages
+    # each question length hits the whole 64-token system prompt (two 32-position pages), never its own tail
+    assert [(r["question_tokens"], r["cached_tokens"]) for r in data["prefix"]["runs"]] == [(8, 64), (32, 64)]
+    assert data["prefix"]["question_tokens"] == 32 and data["prefix"]["cached_tokens"] == 64
     t = data["throughput"]
     assert t["requests"] == 8 and t["timed"]["finished"] == 8 and t["stats"]["recompiles"] == 0
     assert t["timed_compile_s"] == dict(engine=0.0, generator=0.0)
