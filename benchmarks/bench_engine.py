@@ -108,6 +108,8 @@ def main(argv=None) -> int:
                     help="which measurements (default all; throughput compiles every batch bucket: minutes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if min(args.question) < 1:
+        ap.error(f"--question: each length must be >= 1 token, got {args.question}")
     device, cfg, model = bench_setup(args, "bench_engine.py", bench_config)
     if args.smoke:
         args.concurrency, args.max_seq_len, args.system, args.page_size, args.question = 4, 256, 64, 32, [8, 32]

@@ -133,6 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny config, fp32, eager: a seconds-long check")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu (needs --smoke)")
     args = ap.parse_args(argv)
+    if args.acceptance_prompts < 0:
+        ap.error(f"--acceptance-prompts must be >= 0 (0: the timed window only), got {args.acceptance_prompts}")
     smoke = args.smoke
     defaults = dict(batches=[1] if smoke else [1, 16], ks=[1] if smoke else [1, 3], context=[24] if smoke else [4096],
                     new_tokens=[2, 5] if smoke else [8, 72], samples=1 if smoke else 5)
@@ -201,8 +203,8 @@ def main(argv=None, log=None) -> dict:
     for ctx, B in itertools.product(args.context, args.batches):
         prompts = prompts_for(B, ctx)
         chunk = 512 if B == 1 and not args.smoke else 16 if args.smoke else 64
-        sets = -(-args.acceptance_prompts // B) if args.model else 0  # batches of B held-out prompts
-        accept_sets = [prompts_for(B * sets, ctx)[i * B:(i + 1) * B] for i in range(sets)]
+        held_out = prompts_for(B * -(-args.acceptance_prompts // B), ctx) if args.model else []
+        accept_sets = [held_out[i:i + B] for i in range(0, len(held_out), B)]  # batches of B held-out prompts
 
         def generator(k: int) -> Generator:
             return Generator(model, max_batch_size=B, max_seq_len=ctx + n_long + 16, spec_steps=k,
