@@ -57,25 +57,27 @@ __device__ __forceinline__ uint32_t ordered_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Inclusive prefix sum of one value a lane, in lane order, within the warp.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // Exclusive prefix sum of one value a thread, in thread order; the block's total in *total.
 template <typename T>
 __device__ __forceinline__ T block_exclusive_scan(T v, T* warp_sums, T* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  T x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    T y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
+  const T x = warp_inclusive_scan(v);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    T w = lane < kWarps ? warp_sums[lane] : T(0);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      T y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
+    const T w = warp_inclusive_scan(lane < kWarps ? warp_sums[lane] : T(0));
     if (lane < kWarps) warp_sums[lane] = w;  // inclusive over warps
   }
   __syncthreads();
@@ -88,15 +90,9 @@ __device__ __forceinline__ T block_exclusive_scan(T v, T* warp_sums, T* total) {
 // Slots for this thread's n picks, in no particular order (the sort orders them): a scan within the warp
 // and one shared atomic a warp, instead of block_exclusive_scan's three barriers. *counter starts at 0.
 __device__ __forceinline__ int claim_slots(int n, int* counter) {
-  const int lane = threadIdx.x & 31;
-  int incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const int incl = warp_inclusive_scan(n);
   int base = 0;
-  if (lane == 31) base = atomicAdd(counter, incl);
+  if ((threadIdx.x & 31) == 31) base = atomicAdd(counter, incl);
   return __shfl_sync(0xffffffffu, base, 31) + incl - n;
 }
 
@@ -284,12 +280,7 @@ __device__ __forceinline__ void take_threshold_bin(int shift, uint32_t& lo, uint
   if (tid < kBins) {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) own += hist[w * kBins + (kBins - 1 - tid)];
-    incl = own;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+    incl = warp_inclusive_scan(own);
     if (lane == 31) warp_sums[warp] = incl;
   }
   __syncthreads();  // (b) the bin warps' totals; every histogram read
@@ -316,11 +307,6 @@ __device__ __forceinline__ void take_threshold_bin(int shift, uint32_t& lo, uint
 // put a row that crosses a power of two, e.g. scores from 0.4 to 3.9, into a few bins and the warps'
 // atomics onto a few addresses).
 __device__ __forceinline__ int pass_shift(uint32_t span) { return max(32 - __clz(span) - 8, 0); }  // span >> shift <= 255
-
-// (before find_floor, whose barrier publishes them)
-__device__ __forceinline__ void clear_histograms(int* hist) {
-  for (int i = threadIdx.x; i < kWarps * kBins; i += kThreads) hist[i] = 0;
-}
 
 // (4) + (5) by buckets, for up to 2 * kThreads picks (kpad <= 1024: the picks and their buckets' copy
 // fit the scratch). The picks' keys lie in [lo, hi_key]: 256 buckets of 2^shift keys, counted from the
@@ -419,6 +405,13 @@ __device__ __forceinline__ void order_picks(unsigned long long* picks, int* out_
   else sort_picks(picks, out_row, so_k, k_eff, topk, kpad);
 }
 
+// The select's histograms, the slot counter, the bucket counts: zeroed (before find_floor, whose barrier publishes)
+__device__ __forceinline__ void clear_counters(int* hist, Published& pub, SortScratch& sort) {
+  if (threadIdx.x == 0) pub.claimed = 0;
+  if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < kWarps * kBins; i += kThreads) hist[i] = 0;
+}
+
 // Rows of at most 16 scores a thread (8192: V4 at 32K context): the candidates stay in registers.
 template <int ITEMS>
 __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel(
@@ -442,9 +435,7 @@ __global__ void __launch_bounds__(kThreads, ITEMS <= 8 ? 2 : 1) topk_rows_kernel
   uint32_t key[ITEMS];
   load_row(task.row, first, N, key);
   uint32_t floor_key, lo_key, hi_key;
-  if (threadIdx.x == 0) pub.claimed = 0;
-  if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
-  clear_histograms(hist);  // (find_floor's barrier publishes the three)
+  clear_counters(hist, pub, sort);  // (find_floor's barrier publishes the three)
   find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_live, floor_key, lo_key, hi_key);
 
   // (2) select: k_rem = picks still needed from the interval [lo, lo + span]
@@ -669,9 +660,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_list_kernel(
     uint32_t key[ITEMS];
     if (staged) load_row_staged(task.row, first, vis, slice, &bar, key);
     else load_row(task.row, first, vis, key);
-    if (threadIdx.x == 0) pub.claimed = 0;
-    if (threadIdx.x < kBins) sort.count[threadIdx.x] = 0;
-    clear_histograms(hist);  // (find_floor's barrier publishes the three)
+    clear_counters(hist, pub, sort);  // (find_floor's barrier publishes the three)
     find_floor(key, first, vis, k_eff, warp_min, warp_max, warp_live, floor_key, lo_key, hi_key);
     int n_mine = 0;
 #pragma unroll

@@ -26,7 +26,6 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
-#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -591,15 +590,18 @@ int run_main(const Options& o) {
 
   auto t_decode = Clock::now();
   int64_t s = 1;
+  // step s's tokens, from its logits: the output, and the next step's input ids
+  auto take = [&](const at::Tensor& logits) {
+    at::Tensor next = argmax_rows(logits);
+    tokens[s].copy_(next);
+    ids.copy_(next);
+  };
   bool graph_used = false;
 #ifdef DSV4_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   if (use_graph && steps >= 2) {
     // One eager warm-up step (loads kernels, settles the allocator), then capture.
-    at::Tensor logits = run_checked(*decode, "decode", dec_inputs);
-    at::Tensor next = argmax_rows(logits);
-    tokens[s].copy_(next);
-    ids.copy_(next);
+    take(run_checked(*decode, "decode", dec_inputs));
     ++s;
     sync();
     graph = std::make_unique<at::cuda::CUDAGraph>();
@@ -621,19 +623,12 @@ int run_main(const Options& o) {
     }
     for (; s <= steps; ++s) {
       graph->replay();
-      at::Tensor nxt = argmax_rows(static_logits);
-      tokens[s].copy_(nxt);
-      ids.copy_(nxt);
+      take(static_logits);
     }
     graph_used = true;
   }
 #endif
-  for (; s <= steps; ++s) {
-    at::Tensor logits = run_checked(*decode, "decode", dec_inputs);
-    at::Tensor nxt = argmax_rows(logits);
-    tokens[s].copy_(nxt);
-    ids.copy_(nxt);
-  }
+  for (; s <= steps; ++s) take(run_checked(*decode, "decode", dec_inputs));
   sync();
   double decode_ms = ms_since(t_decode);
   if (steps > 0)

@@ -14,15 +14,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ..triton.launch import sm_count
-from ..triton.sparse_attention import LOG2E, attention_config, combine_kernel
+from ..triton.sparse_attention import LOG2E, attention_config, combine_kernel, combine_launch
 
-__all__ = ["BLOCK_H", "HEAD_DIM", "COMBINE_TILE", "COMBINE_WARPS", "load_entry_index", "pick_entry_index",
-           "valid_entries", "split_range", "epilogue", "check_decode", "decode_launches", "combine_launch", "run"]
+__all__ = ["BLOCK_H", "HEAD_DIM", "load_entry_index", "pick_entry_index", "valid_entries", "split_range", "epilogue",
+           "check_decode", "decode_launches", "run"]
 
 BLOCK_H, HEAD_DIM = 64, 512  # the heads and width both kernels serve: one program holds every head
-# combine_kernel at 2+ splits: (heads, columns) a program and its warps; other tiles measured no different
-COMBINE_TILE = (16, 128)
-COMBINE_WARPS = 4
 
 
 @gluon.jit
@@ -160,17 +157,8 @@ def decode_launches(name, kernel, meta, q, kv, kv_idx, cmp, cmp_idx, cmp_len, si
             out.stride(0), out.stride(2))
     launches = [(kernel, (B, splits), args, dict(meta, D=D, BLOCK_H=BLOCK_H, NUM_SPLITS=splits))]
     if splits > 1:
-        launches.append(combine_launch(part_m, part_l, part_acc, sink, out))
+        launches.append((combine_kernel, *combine_launch(part_m, part_l, part_acc, sink, out, D)))
     return out, launches
-
-
-def combine_launch(part_m, part_l, part_acc, sink, out):
-    """``(combine_kernel, grid, args, meta)``: the split partials ``[B, splits, H(, D)]`` of a decode call merged
-    into ``out`` ``[B, 1, H, D]``, one program a ``COMBINE_TILE`` (heads x columns) of a token."""
-    B, splits, H, D = part_acc.shape
-    block_h, block_d = COMBINE_TILE
-    return (combine_kernel, (B, H // block_h, D // block_d), (part_m, part_l, part_acc, sink, out, 1, H, *out.stride()),
-            dict(D=D, BLOCK_D=block_d, BLOCK_H=block_h, NUM_SPLITS=splits, num_warps=COMBINE_WARPS))
 
 
 def run(out, launches):

@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from ..triton.fp8_codec import E4M3X4_BF16_ASM
 from .common import (HEAD_DIM, check_decode, decode_launches, load_entry_index, pick_entry_index, run,
                      split_range, valid_entries)
 from .mma_partitions import helper, mma_buffers, scorer
@@ -153,20 +154,8 @@ def _e4m3x4_bf16(code):
     """``fp8_codec._e4m3x4_bf16`` (the Triton kernel's ``E4M3_HW`` 4 decode), the same PTX: four e4m3 codes of one
     32-bit register -> four exact bf16 values (``code * 2^-120`` by bit moves, then one ``bf16x2`` multiply by
     ``2^120`` per two values)."""
-    return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, k;
-        mov.b32 k, 0x7B807B80;
-        prmt.b32 t0, $2, 0, 0x9180;
-        prmt.b32 t1, $2, 0, 0xB3A2;
-        shl.b32 t0, t0, 4;
-        shl.b32 t1, t1, 4;
-        and.b32 t0, t0, 0x87F087F0;
-        and.b32 t1, t1, 0x87F087F0;
-        mul.rn.bf16x2 $0, t0, k;
-        mul.rn.bf16x2 $1, t1, k;
-        }""",
-        constraints="=r,=r,r", args=[code], dtype=gl.bfloat16, is_pure=True, pack=4)
+    return gl.inline_asm_elementwise(asm=E4M3X4_BF16_ASM, constraints="=r,=r,r", args=[code], dtype=gl.bfloat16,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit

@@ -212,7 +212,6 @@ def compress_launch(
     fmt, page, nope, data_bytes, scale_bytes = 0, 1, 0, 0, 0
     if pool.dtype == torch.uint8:  # FP8: [B, pages, page, entry_bytes] or pages [num_pages, page, entry_bytes]
         page, eb = pool.shape[-2], pool.shape[-1]
-        N = block_table.shape[1] * page if paged else pool.shape[1] * page
         fmt = 2 if eb == d + 4 else 1
         nope = d if fmt == 2 else d - 2 * half
         data_bytes = d if fmt == 2 else nope + 4 * half
@@ -220,8 +219,8 @@ def compress_launch(
         pool_strides = (pool.stride(0), 0 if paged else pool.stride(1), 1)
     else:
         page = pool.shape[1] if paged else 1
-        N = block_table.shape[1] * page if paged else pool.shape[1]
         pool_strides = pool.stride()
+    N = block_table.shape[1] * page if paged else pool.shape[1] * page
     table, num_pages, *table_strides = block_table_args(block_table, pool, emit)
     R, S = ring_kv.shape[1], new_kv.shape[1]
     if B * E == 0 or N * d == 0:

@@ -75,26 +75,30 @@ def e4m3_decode(code):
     return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
+# the PTX of ``_e4m3x4_bf16``, which the Gluon FP8 reader (``lowering/gluon/sparse_attention_fp8.py``) runs too
+E4M3X4_BF16_ASM = tl.constexpr(  # one line: torch 2.11 splices kernel source unescaped (pytorch#183420)
+    "{ "
+    ".reg .b32 t0, t1, k; "
+    "mov.b32 k, 0x7B807B80; "
+    "prmt.b32 t0, $2, 0, 0x9180; "
+    "prmt.b32 t1, $2, 0, 0xB3A2; "
+    "shl.b32 t0, t0, 4; "
+    "shl.b32 t1, t1, 4; "
+    "and.b32 t0, t0, 0x87F087F0; "
+    "and.b32 t1, t1, 0x87F087F0; "
+    "mul.rn.bf16x2 $0, t0, k; "
+    "mul.rn.bf16x2 $1, t1, k; "
+    "}")
+
+
 @triton.jit
 def _e4m3x4_bf16(code):
     """``e4m3_to(code, bf16, 3)`` in PTX, four codes (one 32-bit register) at a time: a byte permute
     puts each code in the low byte of a 16-bit lane with its sign replicated into the high byte,
     a shift and a mask leave the sign at bit 15 and the 7 low bits at bits 4..10, and one
     ``bf16x2`` multiply by ``2^120`` (0x7B80) scales two values. 4 instructions per two values."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, k;
-        mov.b32 k, 0x7B807B80;
-        prmt.b32 t0, $2, 0, 0x9180;
-        prmt.b32 t1, $2, 0, 0xB3A2;
-        shl.b32 t0, t0, 4;
-        shl.b32 t1, t1, 4;
-        and.b32 t0, t0, 0x87F087F0;
-        and.b32 t1, t1, 0x87F087F0;
-        mul.rn.bf16x2 $0, t0, k;
-        mul.rn.bf16x2 $1, t1, k;
-        }""",
-        constraints="=r,=r,r", args=[code], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(asm=E4M3X4_BF16_ASM, constraints="=r,=r,r", args=[code], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit

@@ -46,14 +46,13 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bytes_of_words, e4m3_encode, e4m3_hw, e4m3_to, pow2, scale_exponent, word_aligned
-from .launch import (Launch, backend, block_table_args, cached_config, capability, device_index, launch, next_pow2,
-                     sm_count)
+from .launch import (Launch, backend, block_table_args, cached_config, capability, device_index, entries, launch,
+                     next_pow2, sm_count)
+from .sparse_attention import INTERPRET, _dot
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
            "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
            "indexer_launches", "scores_launch", "fp8_dot_serves", "topk_launches", "fused_launches", "IndexerLaunches"]
-
-INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
 
 @triton.jit
@@ -157,12 +156,10 @@ def indexer_scores_kernel(
                     key_row0 + offs_n[:, None].to(tl.int64) * sk_n + offs_d[None, :] * sk_d,
                     mask=live[:, None] & d_mask[None, :], other=0.0,
                 ).to(q_t.dtype)
-            if UPCAST_DOT:  # Triton 3.6's interpreter multiplies bf16 operands as raw bits
-                dots = tl.dot(keys.to(tl.float32), q_t.to(tl.float32), input_precision="ieee")
-            elif FP8_DOT:  # exact products; the sm_90 tensor cores add them with fewer bits than fp32
+            if FP8_DOT and not UPCAST_DOT:  # exact products; the sm_90 tensor cores add them with fewer bits than fp32
                 dots = tl.dot(keys, q_t)
-            else:
-                dots = tl.dot(keys, q_t, input_precision="ieee")
+            else:  # through fp32 with UPCAST_DOT: Triton 3.6's interpreter multiplies bf16 operands as raw bits
+                dots = _dot(keys, q_t, UPCAST_DOT)
             scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
             if KEYS_FP8:
                 scores = scores * kscale
@@ -569,14 +566,6 @@ def fp8_dot_serves(q: torch.Tensor) -> bool:
     are decoded exactly: the same products, summed in fp32."""
     return (q.dtype == torch.bfloat16 and next_pow2(q.shape[-1]) >= 32 and q.is_cuda and backend() == "cuda"
             and not INTERPRET and capability(device_index(q.device)) >= (8, 9))
-
-
-def entries(keys: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
-    """Entries of a row of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one;
-    ``P * page`` of pages ``[num_pages, page, ...]`` through ``block_table [B, P]``."""
-    if block_table is not None:
-        return block_table.shape[1] * keys.shape[1]
-    return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
 
 
 def _merge_launch(cand_idx: torch.Tensor, cand_scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor,

@@ -66,6 +66,14 @@ def block_table_args(block_table: torch.Tensor | None, pages: torch.Tensor, unus
     return block_table, pages.shape[0], *block_table.stride()
 
 
+def entries(keys: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+    """Entries of a row of a key pool: ``N`` of ``[B, N, DI]``, ``pages * page`` of an FP8 one;
+    ``P * page`` of pages ``[num_pages, page, ...]`` through ``block_table [B, P]``."""
+    if block_table is not None:
+        return block_table.shape[1] * keys.shape[1]
+    return keys.shape[1] * keys.shape[2] if keys.dim() == 4 else keys.shape[1]
+
+
 def cached_config(config: Callable[..., dict]) -> Callable[..., dict]:
     """Memoise a launch-configuration function (a pure function of ints, strings and dtypes)
     for eager calls, which otherwise recompute it on every launch; each call gets its own copy

@@ -43,10 +43,10 @@ import triton.language as tl
 # by name, not as `fc.<name>`: Inductor copies a wrap_triton kernel's source with the jit
 # functions it names, never a module attribute (NameError 'fc' in a compiled graph)
 from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2, word_aligned
-from .launch import Launch, backend, block_table_args, cached_config, launch, next_pow2, sm_count
+from .launch import Launch, backend, block_table_args, cached_config, entries, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
-           "sparse_attention_kernel", "combine_kernel", "AttentionLaunches"]
+           "sparse_attention_kernel", "combine_kernel", "combine_launch", "AttentionLaunches"]
 
 LOG2E = 1.4426950408889634
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
@@ -90,17 +90,11 @@ def _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_
     idx64 = idx.to(tl.int64)
     if CMP_PAGED:  # physical entries: page idx // CMP_PAGE at stride sc_page, slot idx % CMP_PAGE
         cmp_rows = cmp_row0 + (idx64 // CMP_PAGE) * sc_page + (idx64 % CMP_PAGE) * sc_n
-        rows = tl.where(
-            in_w[:, None],
-            kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
-            cmp_rows[:, None] + offs_d[None, :] * sc_d,
-        )
-    else:
-        rows = tl.where(
-            in_w[:, None],
-            kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
-            cmp_row0 + idx64[:, None] * sc_n + offs_d[None, :] * sc_d,
-        )
+    rows = tl.where(
+        in_w[:, None],
+        kv_row0 + idx64[:, None] * skv_n + offs_d[None, :] * skv_d,
+        (cmp_rows[:, None] if CMP_PAGED else cmp_row0 + idx64[:, None] * sc_n) + offs_d[None, :] * sc_d,
+    )
     return rows, valid
 
 
@@ -399,11 +393,7 @@ def attention_launches(
     paged = block_table is not None
     # FP8 caches: [B, pages, page, entry_bytes], or cmp as pages [num_pages, page, entry_bytes]
     kv8, cmp8 = kv.dim() == 4, cmp.dim() == 4 or (paged and cmp.dtype == torch.uint8)
-    N_KV = kv.shape[1] * kv.shape[2] if kv8 else kv.shape[1]
-    if paged:
-        N_CMP = block_table.shape[1] * cmp.shape[1]
-    else:
-        N_CMP = cmp.shape[1] * cmp.shape[2] if cmp8 else cmp.shape[1]
+    N_KV, N_CMP = entries(kv), entries(cmp, block_table)
     if N_CMP == 0:  # no compressed entries: nothing to look up
         paged = False
     sink = sink.contiguous()
@@ -477,14 +467,22 @@ def attention_launches(
     )
     combine = None
     if splits > 1:
-        block_h_c = min(16, max(1, next_pow2(H)))
-        block_d_c = min(128, cfg["BLOCK_D"])
-        combine = Launch(
-            (B * S, -(-H // block_h_c), -(-D // block_d_c)),
-            (part_m, part_l, part_acc, sink, out, S, H, *out.stride()),
-            dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=splits, num_warps=4),
-        )
+        combine = combine_launch(part_m, part_l, part_acc, sink, out, cfg["BLOCK_D"])
     return AttentionLaunches(out, attention, combine)
+
+
+def combine_launch(part_m, part_l, part_acc, sink, out, block_d: int) -> Launch:
+    """The ``combine_kernel`` launch that merges the split partials ``[B * S, splits, H(, D)]`` into ``out [B, S, H,
+    D]``: a program per token, 16 heads and ``min(128, block_d)`` columns (the Gluon kernels' splits too: other tiles
+    measured no different)."""
+    B, S, H, D = out.shape
+    block_h_c = min(16, max(1, next_pow2(H)))
+    block_d_c = min(128, block_d)
+    return Launch(
+        (B * S, -(-H // block_h_c), -(-D // block_d_c)),
+        (part_m, part_l, part_acc, sink, out, S, H, *out.stride()),
+        dict(D=D, BLOCK_D=block_d_c, BLOCK_H=block_h_c, NUM_SPLITS=part_m.shape[1], num_warps=4),
+    )
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:

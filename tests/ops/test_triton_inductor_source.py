@@ -43,7 +43,8 @@ def _worker():
             continue
         # a file of its own, as Inductor writes it (@triton.jit reads its function's source file)
         path = workdir / f"inductor_copy_of_{name}.py"
-        path.write_text(HEADER + user_defined_triton_kernel_transitive_closure_source_code(kernels[name]))
+        source = user_defined_triton_kernel_transitive_closure_source_code(kernels[name])
+        path.write_text(HEADER + source)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -58,7 +59,7 @@ def _worker():
                                  and n not in getattr(__builtins__, "__dict__", __builtins__))
                 if missing:
                     unresolved[fn_name] = missing
-        report[name] = unresolved
+        report[name] = dict(unresolved=unresolved, backslash_lines=[ln for ln in source.splitlines() if "\\" in ln])
     print(json.dumps(report))
 
 
@@ -69,7 +70,17 @@ def report():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_inductor_source_of_the_kernel_resolves_every_name(report, name):
-    assert report[name] == {}, f"names Inductor's copy of {name} cannot resolve: {report[name]}"
+    assert report[name] != "not found", f"{name}: no such kernel in dsv4_ops.lowering.triton"
+    assert report[name]["unresolved"] == {}, f"names Inductor's copy of {name} cannot resolve: {report[name]}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inductor_source_of_the_kernel_holds_no_backslash(report, name):
+    """torch 2.11 splices that source into a ``'''``-string unescaped (pytorch/pytorch#183420, fixed in later
+    releases): an escape such as the ``\\n`` of a multi-line string constant's repr turns into a real newline,
+    and the kernel's module fails to import with ``SyntaxError`` -- on the GPU box, in every compiled graph."""
+    assert report[name] != "not found", f"{name}: no such kernel in dsv4_ops.lowering.triton"
+    assert report[name]["backslash_lines"] == [], f"{name}'s Inductor source: {report[name]['backslash_lines']}"
 
 
 if __name__ == "__main__":
