@@ -42,7 +42,8 @@
 #
 # Every mode tees its log into $OUT (or ./out); $OUT/gpu.txt names the machine and versions. The device tool returns
 # at most 8 files a call; one call runs at most 10 minutes. Its copy of the checkout has no current .git: write
-# `git rev-parse --short HEAD > .commit` before the call, and gpu.txt names that commit. Wheels carried in .whl/ (a transformers with V4,
+# `git describe --always --dirty > .commit` before the call, and gpu.txt names it ("-dirty": the working tree's
+# uncommitted edits travelled too, and the numbers are theirs). Wheels carried in .whl/ (a transformers with V4,
 # expecttest) are installed to /tmp/site first. The package (and its CUDA extension) is built in place once.
 # A carried .compile_cache.tar.gz (what SAVE_COMPILE_CACHE=PATH packed last time) spares the compiles it holds.
 set -uo pipefail
