@@ -48,7 +48,7 @@ import triton.language as tl
 from .fp8_codec import bytes_of_words, e4m3_encode, e4m3_hw, e4m3_to, pow2, scale_exponent, word_aligned
 from .launch import (Launch, backend, block_table_args, cached_config, capability, device_index, entries, launch,
                      next_pow2, sm_count)
-from .sparse_attention import INTERPRET, _dot
+from .sparse_attention import INTERPRET, ieee_dot
 
 __all__ = ["indexer_scores", "indexer_topk", "topk_from_scores", "indexer_scores_kernel", "topk_kernel",
            "topk_row_kernel", "indexer_config", "scores_chunk", "topk_segment", "topk_fused_chunk", "fused_warps",
@@ -159,7 +159,7 @@ def indexer_scores_kernel(
             if FP8_DOT and not UPCAST_DOT:  # exact products; the sm_90 tensor cores add them with fewer bits than fp32
                 dots = tl.dot(keys, q_t)
             else:  # through fp32 with UPCAST_DOT: Triton 3.6's interpreter multiplies bf16 operands as raw bits
-                dots = _dot(keys, q_t, UPCAST_DOT)
+                dots = ieee_dot(keys, q_t, UPCAST_DOT)
             scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], 1)
             if KEYS_FP8:
                 scores = scores * kscale

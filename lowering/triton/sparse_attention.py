@@ -28,7 +28,7 @@ How it is parallelised (grid ``(B * S, cdiv(H, BLOCK_H), NUM_SPLITS)``):
   one block ahead, so the page lookup adds no dependent load in front of the row gather.
 
 Backends: ROCm takes smaller tiles and one stage (:func:`attention_config`); the interpreter
-multiplies through fp32 (``_dot``). Why it stays short of its bytes floor (a dot feeding a dot
+multiplies through fp32 (``ieee_dot``). Why it stays short of its bytes floor (a dot feeding a dot
 puts all warps on M, so both warpgroups compute the same scores, and ``tl`` cannot warp-specialise
 pointer gathers; ``lowering/gluon/`` can) and the alternatives tried: docs/kernels.md.
 """
@@ -46,14 +46,14 @@ from .fp8_codec import bf16_from_bytes, e4m3_hw, e4m3_to, load_kv_entries, pow2,
 from .launch import Launch, backend, block_table_args, cached_config, entries, launch, next_pow2, sm_count
 
 __all__ = ["sparse_attention", "attention_config", "attention_launches", "attention_smem_bytes",
-           "sparse_attention_kernel", "combine_kernel", "combine_launch", "AttentionLaunches"]
+           "sparse_attention_kernel", "combine_kernel", "combine_launch", "ieee_dot", "AttentionLaunches"]
 
 LOG2E = 1.4426950408889634
 INTERPRET = bool(triton.knobs.runtime.interpret)  # read once, at import
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
+def ieee_dot(a, b, UPCAST: tl.constexpr):
     # Triton 3.6's interpreter multiplies bf16 operands as raw uint16 bits: there (only)
     # the operands go through fp32, which is exact for bf16/fp16 values.
     if UPCAST:
@@ -100,14 +100,14 @@ def _entry_rows(v, idx, hi, W, N_KV, N_CMP, kv_row0, skv_n, skv_d, cmp_row0, sc_
 
 @triton.jit
 def _online_softmax_step(q, e, valid, m_i, l_i, acc, scale_log2e, UPCAST_DOT: tl.constexpr):
-    logits = _dot(q, tl.trans(e), UPCAST_DOT) * scale_log2e
+    logits = ieee_dot(q, tl.trans(e), UPCAST_DOT) * scale_log2e
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(logits - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(e.dtype), e, UPCAST_DOT)
+    acc = acc * alpha[:, None] + ieee_dot(p.to(e.dtype), e, UPCAST_DOT)
     return m_new, l_i, acc
 
 
