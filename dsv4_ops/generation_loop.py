@@ -105,22 +105,18 @@ def chunked(ids: Tensor, chunks: Sequence[int], device: torch.device) -> list[Te
 
 
 # ---- chunk buckets: the prefill chunk sizes a Generator with prefill_chunk=None compiles
-SMALLEST_CHUNK = 64  # a short prompt is one step
-LARGEST_CHUNK = 2048  # the largest chunk measured (BENCHMARKS.md, "Prefill")
-CHUNK_RATIO = 4  # 4 sizes (graphs per batch bucket) from 64 to 2048; only a batch's last step pads, to < 4x its rest
-DEFAULT_MAX_PREFILL_TOKENS = 8192  # = 4 x 2048: batch buckets 1..4 take 2048-token chunks
+# A short prompt is one short step; from about 1K tokens on a step reads nearly every expert's weights, so a longer
+# chunk reads them fewer times a prompt (BENCHMARKS.md, "Prefill"). 4096 is the longest measured. Only a batch's last
+# step pads, to less than 4x its rest.
+CHUNK_BUCKETS = (64, 256, 1024, 2048, 4096)
+DEFAULT_MAX_PREFILL_TOKENS = 8192  # batch buckets 1 and 2 take 4096-token chunks, 4 takes 2048, 8 1024
 
 
 def chunk_buckets(max_seq_len: int) -> list[int]:
     """The chunk sizes (tokens per row per prefill step) compiled for ``prefill_chunk=None``:
-    ``64 * 4**i`` up to 2048, each capped at ``max_seq_len`` (a longer chunk would only pad):
-    ``[64, 256, 1024, 2048]`` for ``max_seq_len >= 2048``, ``[64, 200]`` for 200, ``[48]`` for 48."""
-    out, C = [], SMALLEST_CHUNK
-    while True:
-        out.append(min(C, LARGEST_CHUNK, max_seq_len))
-        if C >= LARGEST_CHUNK or C >= max_seq_len:
-            return sorted(set(out))
-        C *= CHUNK_RATIO
+    ``CHUNK_BUCKETS``, each capped at ``max_seq_len`` (a longer chunk would only pad):
+    ``[64, 256, 1024, 2048, 4096]`` for ``max_seq_len >= 4096``, ``[64, 200]`` for 200, ``[48]`` for 48."""
+    return sorted({min(C, max_seq_len) for C in CHUNK_BUCKETS})
 
 
 def chunks_within(buckets: Sequence[int], max_prefill_tokens: int, rows: int) -> list[int]:
@@ -134,7 +130,7 @@ def chunk_schedule(longest: int, chunks: Sequence[int]) -> list[int]:
     """The chunk of each prefill step of a batch whose longest prompt has ``longest`` tokens: the
     smallest of ``chunks`` that holds the longest remaining part of any row, capped at the largest
     (every row takes ``min(chunk, its remaining tokens)`` a step). With ``chunks = [64, 256, 1024,
-    2048]``: 4096 -> ``[2048, 2048]``, 3000 -> ``[2048, 1024]``, 100 -> ``[256]``; one fixed chunk
+    2048, 4096]``: 8192 -> ``[4096, 4096]``, 3000 -> ``[4096]``, 100 -> ``[256]``; one fixed chunk
     ``[C]`` gives ``ceil(longest / C)`` steps of ``C``."""
     top, left, out = max(chunks), longest, []
     while left > top:

@@ -44,10 +44,10 @@ class Generator(GenerationLoop):
             tensors: use them under ``no_grad``); the returned logits are ordinary tensors.
         cuda_graphs: replay the compiled steps as CUDA graphs (None = on when compiling a CUDA model).
         prefill_chunk: tokens per row per prefill step. None (the default): chunk buckets, the
-            chunk sizes ``64, 256, 1024, 2048`` (each capped at ``max_seq_len``), one compiled
-            graph per (batch bucket, chunk bucket) used; every step takes the smallest chunk that
-            holds the longest remaining part of any row, capped by ``max_prefill_tokens`` (a
-            4096-token prompt runs as 2048 + 2048, 3000 as 2048 + 1024, 100 as one 256-token
+            chunk sizes ``64, 256, 1024, 2048, 4096`` (each capped at ``max_seq_len``), one
+            compiled graph per (batch bucket, chunk bucket) used; every step takes the smallest chunk
+            that holds the longest remaining part of any row, capped by ``max_prefill_tokens`` (a
+            4096-token prompt runs as one step, 8192 as 4096 + 4096, 100 as one 256-token
             step). An int: that one chunk for every step (long prompts run in several steps; one
             graph per batch bucket).
         max_prefill_tokens: the most tokens (``batch bucket x chunk``, padding included) a prefill

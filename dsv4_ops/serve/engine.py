@@ -56,7 +56,7 @@ import torch
 from .. import cudagraph_replays
 from ..compiled_steps import CompiledSteps, batch_buckets, compile_step
 from ..generate_args import parse_generate_args
-from ..generation_loop import LARGEST_CHUNK, check_prompts, chunk_buckets
+from ..generation_loop import check_prompts, chunk_buckets
 from ..host_transfer import start_read, to_device
 from ..model.kv_cache_dtype import check_kv_cache_dtype
 from ..ops.validate import check_int
@@ -68,6 +68,9 @@ from .step import pool_step
 
 __all__ = ["Engine", "RequestOutput"]
 
+# the default prefill_chunk, in whole pages: a step of up to 4 such rows reads every expert's weights once for all of
+# them; the engine's published numbers use it (a lone long prompt would read them fewer times in longer chunks)
+DEFAULT_PREFILL_CHUNK = 2048
 # admit_order -> the sort key of the waiting requests (the first one is admitted first)
 ADMIT_ORDERS = {"arrival": lambda r: r.arrival,
                 "longest_output": lambda r: (len(r.generated) - r.max_new, r.arrival)}
@@ -208,7 +211,7 @@ class Engine:
                 raise ValueError(f"Engine: page_size={page_size} must be a multiple of every compression rate "
                                  f"{rates} (a page boundary may not split a compressed block)")
         if prefill_chunk is None:  # whole pages up to 2048 tokens: a step reads every expert's weights anyway
-            pages = 0 if spec_steps else min(LARGEST_CHUNK, max_seq_len) // page_size
+            pages = 0 if spec_steps else min(DEFAULT_PREFILL_CHUNK, max_seq_len) // page_size
             prefill_chunk = pages * page_size if pages else min(page_size, 256)
         check_int("prefill_chunk", prefill_chunk, 1)
         if page_size % prefill_chunk and (prefill_chunk % page_size or spec_steps):

@@ -183,7 +183,8 @@ class _Exported(Exception):
     pass
 
 
-@pytest.mark.parametrize("batch, max_seq_len, chunks", [(4, 4096, [64, 256, 1024, 2048]), (8, 4096, [64, 256, 1024]),
+@pytest.mark.parametrize("batch, max_seq_len, chunks", [(1, 8192, [64, 256, 1024, 2048, 4096]),
+                                                        (4, 4096, [64, 256, 1024, 2048]), (8, 4096, [64, 256, 1024]),
                                                         (64, 4096, [64]), (2, 100, [64, 100])])
 def test_the_default_prefill_programs_are_the_chunk_buckets_a_step_of_the_batch_may_take(
         tmp_path, monkeypatch, batch, max_seq_len, chunks) -> None:

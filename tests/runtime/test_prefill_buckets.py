@@ -1,5 +1,5 @@
 """Chunk buckets, ``Generator``'s default prefill (``prefill_chunk=None``): every prefill step takes the
-smallest of a few chunk sizes (64, 256, 1024, 2048 tokens a row) that holds the longest remaining part of
+smallest of a few chunk sizes (64, 256, 1024, 2048, 4096 tokens a row) that holds the longest remaining part of
 any row, within ``max_prefill_tokens`` a step (batch bucket x chunk). Its logits equal one-token and
 fixed-chunk prefill across the window, CSA and HCA block boundaries and past the largest bucket; greedy
 and speculative tokens equal ``prefill_chunk=64``'s; compiled, prompts of new lengths add no graph beyond
@@ -52,23 +52,24 @@ def spy_steps(gen: Generator) -> list[tuple]:
 # --------------------------------------------------------------------------------------
 def test_chunk_buckets_and_the_chunk_each_step_takes(model) -> None:
     buckets = chunk_buckets(4096)
-    assert buckets == [64, 256, 1024, 2048]
-    assert chunk_buckets(200) == [64, 200] and chunk_buckets(48) == [48]  # capped at max_seq_len
-    assert chunk_schedule(4096, buckets) == [2048, 2048]
-    assert chunk_schedule(3000, buckets) == [2048, 1024]
+    assert buckets == [64, 256, 1024, 2048, 4096]
+    assert chunk_buckets(3000) == [64, 256, 1024, 2048, 3000]  # capped at max_seq_len
+    assert chunk_buckets(200) == [64, 200] and chunk_buckets(48) == [48]
+    assert chunk_schedule(4096, buckets) == [4096]  # a 4K prompt reads the experts' weights once
+    assert chunk_schedule(8192, buckets) == [4096, 4096] and chunk_schedule(4097, buckets) == [4096, 64]
+    assert chunk_schedule(3000, buckets) == [4096] and chunk_schedule(2000, buckets) == [2048]
     assert chunk_schedule(100, buckets) == [256]
     assert chunk_schedule(64, buckets) == [64] and chunk_schedule(65, buckets) == [256]
-    assert chunk_schedule(2049, buckets) == [2048, 64]
     assert chunk_schedule(130, [8]) == [8] * 17  # one fixed chunk: ceil(130 / 8) steps, as before
     # the default budget, 8192 tokens a step: the largest chunk each batch bucket may take
     largest = {rows: max(chunks_within(buckets, 8192, rows)) for rows in (1, 2, 4, 8, 16, 32, 64, 128)}
-    assert largest == {1: 2048, 2: 2048, 4: 2048, 8: 1024, 16: 256, 32: 256, 64: 64, 128: 64}
+    assert largest == {1: 4096, 2: 4096, 4: 2048, 8: 1024, 16: 256, 32: 256, 64: 64, 128: 64}
     assert chunks_within(buckets, 8192, 256) == [32]  # below the smallest bucket: the one chunk that fits
     assert chunks_within(buckets, 3, 4) == [1]  # at least one token a row
     # the Generator's defaults
     gen = Generator(model, max_batch_size=64, compile=False)
     assert gen.prefill_chunk is None and gen.max_prefill_tokens == 8192 and gen.chunk_buckets == buckets
-    assert gen._step_chunks(4) == buckets and gen._step_chunks(64) == [64]
+    assert gen._step_chunks(2) == buckets and gen._step_chunks(4) == buckets[:-1] and gen._step_chunks(64) == [64]
     fixed = Generator(model, max_batch_size=64, compile=False, prefill_chunk=64)
     assert fixed.chunk_buckets == [64] and fixed.max_prefill_tokens is None and fixed._step_chunks(64) == [64]
 
