@@ -210,7 +210,7 @@ class Engine:
             if page_size % r:
                 raise ValueError(f"Engine: page_size={page_size} must be a multiple of every compression rate "
                                  f"{rates} (a page boundary may not split a compressed block)")
-        if prefill_chunk is None:  # whole pages up to 2048 tokens: a step reads every expert's weights anyway
+        if prefill_chunk is None:  # whole pages up to DEFAULT_PREFILL_CHUNK tokens
             pages = 0 if spec_steps else min(DEFAULT_PREFILL_CHUNK, max_seq_len) // page_size
             prefill_chunk = pages * page_size if pages else min(page_size, 256)
         check_int("prefill_chunk", prefill_chunk, 1)
