@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsv4_ops  # noqa: E402
 from benchmarks.bench_model import bench_config  # noqa: E402
-from benchmarks.random_weights import flash_slice_config  # noqa: E402
+from benchmarks.random_weights import flash_slice_config, spread_hash_tables  # noqa: E402
 from benchmarks.timing import time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator, cudagraph_replays  # noqa: E402
 from dsv4_ops.checkpoint import building_in  # noqa: E402
@@ -39,7 +39,8 @@ from dsv4_ops.checkpoint import building_in  # noqa: E402
 
 def hf_model(cfg: DSV4Config, dtype, device):
     """A transformers DeepseekV4ForCausalLM with HF's own init (timings do not depend on values
-    except through routing); experts on HF's default implementation for the device."""
+    except through routing, so the hash layers get random expert ids: ``spread_hash_tables``);
+    experts on HF's default implementation for the device."""
     from transformers import DeepseekV4ForCausalLM
 
     torch.manual_seed(0)
@@ -50,6 +51,7 @@ def hf_model(cfg: DSV4Config, dtype, device):
         for name, p in hf.named_parameters():
             if name.endswith(("sinks", "position_bias")):
                 p.normal_(0, 0.5)
+    spread_hash_tables(hf, hcfg.n_routed_experts)
     return hf
 
 

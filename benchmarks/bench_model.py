@@ -59,7 +59,7 @@ from benchmarks.timing import first_call_s, time_call  # noqa: E402
 from dsv4_ops import DSV4Config, Generator  # noqa: E402
 from dsv4_ops.checkpoint import building_in  # noqa: E402
 from dsv4_ops.reference import fp8_cache  # noqa: E402
-from benchmarks.random_weights import CONFIGS, bench_setup  # noqa: E402
+from benchmarks.random_weights import CONFIGS, bench_setup, spread_hash_tables  # noqa: E402
 
 # graphs: the Generator's default (compiled, CUDA graphs); graphs-pdl: the same with Inductor's PDL
 # (Generator(pdl=True)), the comparison of BENCHMARKS.md session 18
@@ -327,6 +327,7 @@ def bench_hf(cfg, batch: int, ctx: int, dtype, device, args, log, chunk: int) ->
     hcfg._experts_implementation = "eager"
     with building_in(dtype, device):  # built in the bench dtype: an fp32 Flash slice would not fit the GPU
         hf = HF(hcfg).to(dtype=dtype).eval()
+    spread_hash_tables(hf, hcfg.n_routed_experts)
     ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device=device)
     t0 = time.perf_counter()
     state = {}

@@ -62,6 +62,16 @@ def random_init_model(cfg: DSV4Config, dtype: torch.dtype = torch.bfloat16, devi
     return model.eval()
 
 
+@torch.no_grad()
+def spread_hash_tables(hf, n_experts: int) -> None:
+    """Random expert ids in a transformers model's hash-layer tables. HF's init zeroes ``tid2eid``
+    (a checkpoint fills it), which would send every token of those layers to expert 0: a timed
+    step would read one expert there instead of the ones a real table spreads tokens over."""
+    for name, b in hf.named_buffers():
+        if name.endswith("tid2eid"):
+            b.random_(0, n_experts)
+
+
 def bench_setup(args, script: str, bench_config):
     """``(device, cfg, model)`` of a benchmark run: the bench config (or ``--config flash-slice``)
     in bf16 on CUDA, or with ``--smoke`` the tiny config in fp32 on any device."""

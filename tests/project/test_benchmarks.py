@@ -620,6 +620,22 @@ def test_bench_hf_smoke_times_every_path_and_the_first_calls_of_new_shapes(tmp_p
         assert r["ratio"] == r["first_s"] / r["steady_s"] > 0
 
 
+def test_bench_hf_model_hash_layers_spread_tokens_over_the_experts():
+    # HF's init zeroes tid2eid: every token of a hash layer would run expert 0 only, and a timed step
+    # would read one expert there
+    import torch
+    from benchmarks import bench_hf
+    from dsv4_ops import DSV4Config
+
+    cfg = DSV4Config.tiny()
+    hf = bench_hf.hf_model(cfg, torch.float32, torch.device("cpu"))
+    tables = [b for name, b in hf.named_buffers() if name.endswith("tid2eid")]
+    assert tables and len(tables) == cfg.mlp_layer_types.count("hash_moe")
+    for t in tables:
+        assert t.min() >= 0 and t.max() < cfg.n_routed_experts
+        assert t.unique().numel() == cfg.n_routed_experts  # vocab x top-k draws reach every expert
+
+
 # ---- time to first token: bench_ttft.py ------------------------------------------------------------------------------
 def test_bench_ttft_smoke_times_every_path_against_its_floor(tmp_path):
     from benchmarks import bench_ttft
