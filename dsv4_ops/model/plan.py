@@ -38,11 +38,13 @@ def ring_sizes(cfg: DSV4Config, lookahead: int = 0) -> RingSizes:
 
 class StepMeta(NamedTuple):
     """What every layer reads for one step: the plan (no ``steps`` dim), the first new position
-    of each row, and how ``plan.win_idx`` addresses the window (True: ``cat(ring, new_kv)``)."""
+    of each row, how ``plan.win_idx`` addresses the window (True: ``cat(ring, new_kv)``), and
+    how many of the step's tokens each row brings (the rest are padding)."""
 
     plan: Plan
     start: Tensor  # [B] int32
     concat: bool
+    n_new: Tensor  # [B] int32
 
 
 def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int, rings: RingSizes,
@@ -59,7 +61,7 @@ def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int,
     lengths, n_new = lengths.to(torch.int32), n_new.to(torch.int32)
     plan = Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
                            cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca))
-    return [StepMeta(plan.step(i), lengths + i * n_new, concat) for i in range(steps)]
+    return [StepMeta(plan.step(i), lengths + i * n_new, concat, n_new) for i in range(steps)]
 
 
 def plan_step(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int, rings: RingSizes,

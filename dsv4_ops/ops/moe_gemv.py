@@ -51,12 +51,13 @@ def _moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tens
         if down is not None:
             wrap_triton(moe_down_kernel)[down.grid](*down.args, **down.meta)
         return launches.out
-    # an id outside [0, E) contributes zero, as in the kernels: its row runs expert 0 at weight 0
+    # an id outside [0, E) contributes zero, as in the kernels: its row runs expert 0 and is dropped
     routed = (indices >= 0) & (indices < w13.shape[0])
-    ids, weights = torch.where(routed, indices, 0).long(), torch.where(routed, weights, 0)
+    ids = torch.where(routed, indices, 0).long()
     run = experts_grouped_mm if grouped_mm_supported(x, w13, w2) else experts_blocked
     y = run(x, ids, w13, w2, limit).view(T, K, -1)
-    return (y.float() * weights.float().unsqueeze(-1)).sum(dim=1)
+    # where, not a product: a skipped id's row ran expert 0, which may hold anything
+    return torch.where(routed.unsqueeze(-1), y.float() * weights.float().unsqueeze(-1), 0).sum(dim=1)
 
 
 def moe_gemv(x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, limit: float) -> Tensor:

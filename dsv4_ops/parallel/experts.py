@@ -12,8 +12,8 @@ message as the attention block's.
 
 Shape-static trick: an assignment to another rank's expert gets id -1, so ``dsv4::moe_gemv`` sees
 ``T*K`` assignments whatever the routing (the same static layout as single-GPU ``Experts``) and skips
-it: its GEMV kernels (decode) read no weight for it; its grouped paths run it on local expert 0 at
-weight 0, a little compute and no extra weight bytes on the grouped GEMMs (expert 0 is read once),
+it: its GEMV kernels (decode) read no weight for it; its grouped paths run it on local expert 0 and
+drop the row, a little compute and no extra weight bytes on the grouped GEMMs (expert 0 is read once),
 expert 0's gather where single-GPU gathers the real expert on the blocked path (the same bytes).
 
 The shared expert stays replicated (``MoE`` adds it after this all-reduce, in fp32, exactly as the

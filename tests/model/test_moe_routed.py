@@ -12,6 +12,8 @@ Specification:
   dynamic=True one graph serves every T*K <= E and one every T*K > E;
 * a decode step reads only the routed experts (NaN in every other expert cannot reach the output),
   so 256 experts cost what the routed ones cost at equal top-k, however many there are;
+* a bucket's padding tokens (past a row's ``n_new``) route to no expert: a padded step reads only the
+  experts its real tokens pick, and the model's steps hand the experts no padding assignment;
 * MoE config fields HF computes differently, or not at all, are refused with the field's name;
 * on CUDA bf16 (sm90) the torch._grouped_mm path equals the fp32 path and replays in a CUDA graph.
 """
@@ -194,6 +196,52 @@ def test_decode_reads_only_the_routed_experts(T):
         poisoned = ours(x, ids)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layer_idx", [HASH, BIASED], ids=["hash", "biased"])
+def test_padding_tokens_route_to_no_expert(layer_idx):
+    _, ours = hf_and_ours(layer_idx, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x, ids = torch.randn(3, 5, 64, generator=g), torch.randint(0, 512, (3, 5), generator=g)
+    n_new = torch.tensor([5, 2, 0], dtype=torch.int32)  # a full row, a padded one, an idle one
+    real = torch.arange(5) < n_new.unsqueeze(1)
+    with torch.no_grad():
+        clean = ours(x, ids, n_new)
+        _, idx = ours.gate(x.flatten(0, 1), ids)
+        unrouted = torch.ones(64, dtype=torch.bool)
+        unrouted[idx[real.flatten()].flatten()] = False
+        assert unrouted[idx[~real.flatten()].flatten()].any()  # padding alone would read these
+        ours.experts.gate_up_proj[unrouted] = float("nan")
+        ours.experts.down_proj[unrouted] = float("nan")
+        poisoned = ours(x, ids, n_new)
+        shared_only = ours.shared_experts(x).float().to(x.dtype)
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
+    torch.testing.assert_close(poisoned[~real], shared_only[~real], rtol=0, atol=0)
+
+
+def test_model_steps_hand_the_experts_no_padding_assignment(monkeypatch):
+    model = DeepseekV4ForCausalLM(DSV4Config.tiny()).eval()
+    model.setup_caches(max_batch_size=3, max_seq_len=32)
+    seen = []
+    real_op = direct.dsv4.moe_gemv
+
+    def spy(x, indices, *args):
+        seen.append(indices.clone())
+        return real_op(x, indices, *args)
+
+    monkeypatch.setattr(direct.dsv4, "moe_gemv", spy)
+    ids = torch.randint(0, model.config.vocab_size, (3, 8))
+    n_new = torch.tensor([8, 3, 0], dtype=torch.int32)
+    model(ids, torch.zeros(3, dtype=torch.int32), n_new)
+    layers = model.config.num_hidden_layers
+    assert len(seen) == layers
+    K = model.config.num_experts_per_tok
+    real = (torch.arange(8) < n_new.unsqueeze(1)).flatten()
+    for indices in seen:
+        assert (indices[~real] == -1).all()
+        assert ((indices[real] >= 0) & (indices[real] < model.config.n_routed_experts)).all()
+        assert indices.shape == (3 * 8, K)
 
 
 # ---- the experts run dsv4::moe_gemv --------------------------------------------------------------
