@@ -36,5 +36,5 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(u), meta, state)
         x = self.attn_hc.expand(a, x, post, comb)
         u, post, comb = self.ffn_hc.collapse(x)
-        m = self.mlp(self.post_attention_layernorm(u), input_ids, meta.n_new)
+        m = self.mlp(self.post_attention_layernorm(u), input_ids, meta.real)
         return self.ffn_hc.expand(m, x, post, comb)

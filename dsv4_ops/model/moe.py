@@ -103,18 +103,17 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, dim, inter_dim, swiglu_limit)
         self.shared_experts = MLP(dim, n_shared * inter_dim, swiglu_limit) if n_shared > 0 else None
 
-    def forward(self, x: Tensor, input_ids: Tensor | None = None, n_new: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, input_ids: Tensor | None = None, real: Tensor | None = None) -> Tensor:
         """x: [B, S, D], input_ids: [B, S] (hash layers) -> [B, S, D] in x.dtype.
 
-        ``n_new`` [B]: row b's tokens from ``n_new[b]`` on are padding (a batch or chunk bucket's
-        fill). They route to no expert (id -1, which the experts op skips), so a step reads only
-        the experts its real tokens pick; their output is the shared expert's."""
+        ``real`` [B, S] bool: False marks padding (a batch or chunk bucket's fill). Padding routes
+        to no expert (id -1, which the experts op skips), so a step reads only the experts its real
+        tokens pick; its output is the shared expert's."""
         if self.is_hash and input_ids is None:
             raise ValueError("MoE: hash-routed layer needs input_ids ([B, S] token ids)")
         flat = x.flatten(0, -2)  # [T, D]
         weights, indices = self.gate(flat, input_ids)
-        if n_new is not None:
-            real = torch.arange(x.shape[1], device=x.device) < n_new.unsqueeze(1)  # [B, S]
+        if real is not None:
             indices = torch.where(real.reshape(-1, 1), indices, -1)
         out = self.experts(flat, indices, weights)  # fp32 accumulation, as the official MoE
         if self.shared_experts is not None:

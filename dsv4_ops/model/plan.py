@@ -39,12 +39,12 @@ def ring_sizes(cfg: DSV4Config, lookahead: int = 0) -> RingSizes:
 class StepMeta(NamedTuple):
     """What every layer reads for one step: the plan (no ``steps`` dim), the first new position
     of each row, how ``plan.win_idx`` addresses the window (True: ``cat(ring, new_kv)``), and
-    how many of the step's tokens each row brings (the rest are padding)."""
+    which of the step's tokens are real (each row's first ``n_new``; the rest pad the bucket)."""
 
     plan: Plan
     start: Tensor  # [B] int32
     concat: bool
-    n_new: Tensor  # [B] int32
+    real: Tensor  # [B, S] bool
 
 
 def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int, rings: RingSizes,
@@ -61,7 +61,8 @@ def plan_steps(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int,
     lengths, n_new = lengths.to(torch.int32), n_new.to(torch.int32)
     plan = Plan(*dsv4.plan(lengths, n_new, num_tokens, steps, cfg.sliding_window, rings.window, concat,
                            cfg.csa_ratio, rings.csa, cfg.hca_ratio, rings.hca))
-    return [StepMeta(plan.step(i), lengths + i * n_new, concat, n_new) for i in range(steps)]
+    real = torch.arange(num_tokens, device=n_new.device) < n_new.unsqueeze(1)  # once a step, read by every MoE
+    return [StepMeta(plan.step(i), lengths + i * n_new, concat, real) for i in range(steps)]
 
 
 def plan_step(cfg: DSV4Config, lengths: Tensor, n_new: Tensor, num_tokens: int, rings: RingSizes,

@@ -544,8 +544,9 @@ class Engine:
         """Move requests from slots at or past the smallest decode bucket that holds them all into
         free slots below it: a decode step runs over slots ``0..bucket-1``, so one request left in a
         high slot would keep every step at a large bucket (every padding row's attention and dense
-        layers computed; padding routes to no expert). A move copies the slot's device state (rings, length; speculative: the drafting
-        state) and its block-table row; the tokens are unchanged. Returns the moves ``(from, to)``."""
+        layers computed; padding routes to no expert). A move copies the slot's device state (rings,
+        length; speculative: the drafting state) and its block-table row; the tokens are unchanged.
+        Returns the moves ``(from, to)``."""
         running = sum(r is not None for r in self._slots)
         bucket = next((b for b in self.decode_buckets if b >= running), 0)
         high = [s for s in range(bucket, self.max_running) if self._slots[s] is not None]

@@ -206,14 +206,14 @@ def test_padding_tokens_route_to_no_expert(layer_idx):
     n_new = torch.tensor([5, 2, 0], dtype=torch.int32)  # a full row, a padded one, an idle one
     real = torch.arange(5) < n_new.unsqueeze(1)
     with torch.no_grad():
-        clean = ours(x, ids, n_new)
+        clean = ours(x, ids, real)
         _, idx = ours.gate(x.flatten(0, 1), ids)
         unrouted = torch.ones(64, dtype=torch.bool)
         unrouted[idx[real.flatten()].flatten()] = False
         assert unrouted[idx[~real.flatten()].flatten()].any()  # padding alone would read these
         ours.experts.gate_up_proj[unrouted] = float("nan")
         ours.experts.down_proj[unrouted] = float("nan")
-        poisoned = ours(x, ids, n_new)
+        poisoned = ours(x, ids, real)
         shared_only = ours.shared_experts(x).float().to(x.dtype)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
