@@ -180,6 +180,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when CUDA is unavailable)")
     config.addinivalue_line("markers", "smem_poison: poisons every SM's shared memory before a launch; run it in one "
                                        "process (tools/gpu_check.sh tests), not under xdist")
+    config.addinivalue_line("markers", "whole_gpu: needs most of an 80 GB GPU's memory (the Flash slice's weights); "
+                                       "tools/gpu_check.sh tests runs it in one process, with no other worker beside it")
 
 
 def pytest_collection_modifyitems(config, items):

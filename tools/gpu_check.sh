@@ -104,13 +104,14 @@ for what in "$@"; do
         continue
       fi
       # tests that poison shared memory run in one process (under xdist another worker's kernels clear the poison
-      # between the fill and the launch); the parity tests run HF on the CPU: one thread pool per worker. Then the
-      # Triton kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
+      # between the fill and the launch), and so do those that take most of the GPU's memory (beside them 7 workers ran
+      # out of an H100's 80 GB); the parity tests run HF on the CPU: one thread pool per worker. Then the Triton
+      # kernels' own tests (interpreted on CPU) with the kernels compiled for this GPU.
       if [ -n "${FLASHMLA:-}" ]; then build_flashmla && export FLASHMLA_DIR=$FLASHMLA || rc=1; fi
       kernel_tests=$(ls tests/ops/*/test_*_kernels.py tests/ops/*/test_*_paged.py tests/test_triton_interp*.py 2>/dev/null)
-      { python3 -m pytest -q -m "gpu and smem_poison" tests -p no:cacheprovider || rc=1
+      { python3 -m pytest -q -m "gpu and (smem_poison or whole_gpu)" tests -p no:cacheprovider || rc=1
         OMP_NUM_THREADS=$(( $(nproc) / 6 > 0 ? $(nproc) / 6 : 1 )) python3 -m pytest -q ${xdist:+-n ${WORKERS:-8} --dist worksteal} \
-          -m "gpu and not smem_poison" tests -p no:cacheprovider --durations=15 || rc=1
+          -m "gpu and not smem_poison and not whole_gpu" tests -p no:cacheprovider --durations=15 || rc=1
         python3 -m pytest -q ${xdist:+-n ${WORKERS:-8}} -m "not gpu" $kernel_tests -p no:cacheprovider || rc=1; } 2>&1 \
         | tee "$OUT/gpu_tests.log" | grep -e passed -e failed -e FAILED -e ERROR -e "^[0-9.]*s " | tail -60
       python3 -m dsv4_ops demo 2>&1 | quiet | tee "$OUT/demo.log" | tail -20 || rc=1 ;;

@@ -536,26 +536,29 @@ def test_gpu_check_documents_and_names_every_mode():
     assert len(labels) <= 12
 
 
-def test_gpu_check_runs_the_shared_memory_poisoning_tests_in_one_process():
-    """Under xdist another process's kernels clear the poison between the fill and the launch, so ``tests`` runs the
-    tests that poison shared memory (marked ``smem_poison``) without workers, and the rest with them. Every test that
-    poisons carries the mark."""
+def test_gpu_check_runs_the_shared_memory_poisoning_and_whole_gpu_tests_in_one_process():
+    """Under xdist another process's kernels clear the poison between the fill and the launch, and a test that builds
+    the Flash slice on the GPU (64 GiB) leaves 7 workers too little of an H100's 80 GB, so ``tests`` runs the tests
+    marked ``smem_poison`` or ``whole_gpu`` without workers, and the rest with them. Every test that poisons, and every
+    GPU test that builds the Flash slice, carries its mark."""
     import ast
 
     for f in ROOT.glob("tests/**/test_*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
-            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)} \
-                if isinstance(node, ast.FunctionDef) else set()
-            if node.__class__ is ast.FunctionDef and node.name.startswith("test_") and \
-                    calls & {"poison_shared_memory", "shared_memory_seen_after_poison"}:
-                marks = [ast.unparse(d) for d in node.decorator_list]
+            if node.__class__ is not ast.FunctionDef or not node.name.startswith("test_"):
+                continue
+            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+            marks = [ast.unparse(d) for d in node.decorator_list]
+            if calls & {"poison_shared_memory", "shared_memory_seen_after_poison"}:
                 assert "pytest.mark.smem_poison" in marks, f"{f.name}::{node.name} poisons shared memory, unmarked"
+            if "flash_slice_config" in calls and "pytest.mark.gpu" in marks:
+                assert "pytest.mark.whole_gpu" in marks, f"{f.name}::{node.name} builds the Flash slice, unmarked"
     text = (ROOT / "tools/gpu_check.sh").read_text()
     mode = text[text.index("    tests)"):]
     mode = mode[:mode.index(";;")].replace("\\\n", " ")  # one line a command
-    serial = [line for line in mode.splitlines() if '"gpu and smem_poison"' in line]
+    serial = [line for line in mode.splitlines() if '"gpu and (smem_poison or whole_gpu)"' in line]
     assert serial and all("-n" not in line for line in serial)
-    assert any('"gpu and not smem_poison"' in line and "-n" in line for line in mode.splitlines())
+    assert any('"gpu and not smem_poison and not whole_gpu"' in line and "-n" in line for line in mode.splitlines())
 
 
 def test_bench_engine_smoke_measures_every_section_and_hits_the_shared_prefix(tmp_path):

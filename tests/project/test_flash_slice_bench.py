@@ -111,6 +111,7 @@ def test_bench_model_takes_the_flash_slice_config():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 def test_flash_slice_builds_on_the_gpu_in_seconds_as_one_copy():
     import time
 
