@@ -395,23 +395,27 @@ def test_cuda_graph_replays_sample_the_tokens_of_the_same_compiled_steps_without
 @pytest.mark.parametrize("device, compiled", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
                                               pytest.param("cuda", True, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("spec_steps", [0, 2])
-def test_nan_left_in_the_pool_changes_no_sampled_token(device, compiled, spec_steps) -> None:
+@pytest.mark.parametrize("filtering", [dict(temperature=1.0, top_p=1.0), dict(temperature=0.8, top_p=0.9)],
+                         ids=["unfiltered", "top_p"])
+def test_nan_left_in_the_pool_changes_no_sampled_token(device, compiled, spec_steps, filtering) -> None:
     """Slots a request does not own may hold anything: after NaN fills the KV pool (every float
-    buffer of the main layers and of the MTP block) and the draft distributions, a generator samples
-    the tokens it sampled before, on the reference ops and on the GPU kernels (eager, where fresh
-    allocations hold NaN too, and compiled with CUDA graphs). Unfiltered sampling at temperature 1 with drafts: the setting whose GPU
-    tokens once depended on what ran before them."""
+    buffer of the main layers and of the MTP block), the draft distributions and the speculative
+    streams of every row (the bucket's padding row included), a generator samples the tokens it
+    sampled before, on the reference ops and on the GPU kernels (eager, where fresh allocations hold
+    NaN too, and compiled with CUDA graphs). Unfiltered sampling at temperature 1 with drafts: the
+    setting whose GPU tokens once depended on what ran before them; top-p 0.9 at temperature 0.8:
+    the CUDA-graph tests' setting, whose last row's GPU tokens part on H100s (results/latest)."""
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     m = random_model(DSV4Config.tiny(num_hidden_layers=3, hca_ratio=8), device=device)
     gen = Generator(m, max_batch_size=4, max_seq_len=96, prefill_chunk=16, spec_steps=spec_steps, compile=compiled,
                     cuda_graphs=compiled)
-    skw = dict(temperature=1.0, top_p=1.0, seed=[1, 2, 3], eos_token_id=[[], [7], []])
+    skw = dict(filtering, seed=[1, 2, 3], eos_token_id=[[], [7], []])
     want = gen.generate(PROMPTS, 40, **skw)
     states = m.cache_states() + ([m.mtp_cache_state()] if spec_steps else [])
     poisoned = [t for st in states for t in st.tensors().values() if t.is_floating_point()]
     if spec_steps:
-        poisoned.append(gen.spec.draft_probs)
+        poisoned += [gen.spec.draft_probs, gen.spec.h_last]
     assert len(poisoned) >= 3 * 3
     for t in poisoned:
         t.fill_(float("nan"))
